@@ -1,0 +1,105 @@
+/* dflash: sampling and the generation loop.
+ *
+ * df_generate prefills a prompt into a fresh session and decodes until an EOS id of the
+ * pack, a stop string, max_tokens, or cancellation by the callback. Text reaches the
+ * callback in whole UTF-8 pieces; stop strings are matched across token boundaries and
+ * never emitted (text that might begin a stop string is held back until it cannot).
+ */
+#ifndef DFLASH_GENERATE_H
+#define DFLASH_GENERATE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dflash/engine.h"
+#include "dflash/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DF_MAX_STOP 16
+
+typedef struct df_sampling_params {
+    float temperature;   /* 0 = greedy (argmax; lowest id wins ties) */
+    float top_p;         /* 1 = off */
+    int top_k;           /* 0 = off */
+    float min_p;         /* 0 = off */
+    uint64_t seed;       /* with has_seed: same seed + same request = same output */
+    int has_seed;
+} df_sampling_params;
+
+/* Sampling params with everything off (greedy). */
+df_sampling_params df_sampling_default(void);
+
+/* A seeded sampler (xoshiro256** state). */
+typedef struct df_sampler {
+    df_sampling_params p;
+    uint64_t rng[4];
+    /* scratch, grown on demand */
+    float *probs;
+    int32_t *idx;
+    int cap;
+} df_sampler;
+
+/* Initialises a sampler; without has_seed the seed comes from the clock. */
+void df_sampler_init(df_sampler *s, const df_sampling_params *p);
+void df_sampler_free(df_sampler *s);
+/* Picks a token from logits[n_vocab] (logits may be modified). Greedy when temperature
+ * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p. */
+int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
+/* argmax over logits[n]; lowest index wins ties. */
+int32_t df_argmax(const float *logits, int n);
+
+typedef enum df_finish_reason {
+    DF_FINISH_NONE = 0,
+    DF_FINISH_STOP,      /* EOS id or stop string */
+    DF_FINISH_LENGTH,    /* max_tokens or context full */
+    DF_FINISH_CANCELLED  /* the callback asked to stop */
+} df_finish_reason;
+
+const char *df_finish_reason_name(df_finish_reason r); /* "stop", "length", "cancelled" */
+
+typedef struct df_gen_params {
+    df_sampling_params sampling;
+    int max_tokens;                   /* <= 0: until the context is full */
+    const char *stop[DF_MAX_STOP];    /* stop strings (not emitted) */
+    int n_stop;
+    int skip_special;                 /* drop special tokens from the text (default 1) */
+} df_gen_params;
+
+df_gen_params df_gen_params_default(void);
+
+/* Called for each piece of new text (may be empty when a token produced no whole text).
+ * id: the token just generated. Return non-zero to stop (finish_reason "cancelled"). */
+typedef int (*df_gen_callback)(void *user, int32_t id, const char *text, size_t len);
+
+typedef struct df_gen_result {
+    int32_t *ids;         /* generated ids (malloc'd; free with df_gen_result_free) */
+    int n_ids;
+    char *text;           /* generated text, NUL-terminated (stop strings removed) */
+    size_t text_len;
+    int n_prompt;
+    df_finish_reason finish;
+    double prompt_ms;     /* prefill wall time */
+    double decode_ms;     /* wall time from the first decode to the end */
+} df_gen_result;
+
+void df_gen_result_free(df_gen_result *r);
+
+/* Generates from prompt ids with a session of eng (the session is reset first).
+ * Errors: DF_ERR_RANGE when the prompt does not fit the session's context,
+ * DF_ERR_INVALID_ARG for bad ids or params; the result is filled even when stopped early. */
+df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const df_gen_params *params,
+                      df_gen_callback cb, void *user, df_gen_result *res, df_error *err);
+
+/* Renders OpenAI-style messages with plain ChatML framing (thinking off):
+ * "<|im_start|>ROLE\nCONTENT<|im_end|>\n" per message then
+ * "<|im_start|>assistant\n<think>\n\n</think>\n\n". roles/contents: n entries.
+ * Returns a malloc'd string. (The pack's Jinja template replaces this in issue 3.) */
+char *df_chatml_render(const char *const *roles, const char *const *contents, int n, int enable_thinking);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

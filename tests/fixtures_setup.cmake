@@ -1,0 +1,13 @@
+# Copies tests/fixtures into the build tree and decompresses every *.gz there.
+file(MAKE_DIRECTORY ${DST})
+file(COPY ${SRC}/ DESTINATION ${DST})
+file(GLOB_RECURSE gz ${DST}/*.gz)
+foreach(f ${gz})
+  string(REGEX REPLACE "\\.gz$" "" out ${f})
+  if(NOT EXISTS ${out} OR ${f} IS_NEWER_THAN ${out})
+    execute_process(COMMAND gzip -dkf ${f} RESULT_VARIABLE rc)
+    if(NOT rc EQUAL 0)
+      message(FATAL_ERROR "cannot decompress ${f}")
+    endif()
+  endif()
+endforeach()
