@@ -1,0 +1,105 @@
+/* The compute backend interface: every op the target and the drafter run.
+ *
+ * The model code (src/model) calls these ops and never branches on the device. A backend
+ * owns its memory: activation buffers come from alloc and are passed back to its ops;
+ * weights are the pack's df_linear / df_vecf (host memory), which a device backend
+ * resolves to its own copies.
+ *
+ * Exactness contract (ENGINEERING.md): every op that takes M rows computes row m with
+ * exactly the arithmetic it would use for that row alone (M = 1): reductions have a fixed
+ * order that depends only on the reduction length; threads split output elements, never
+ * a reduction; results do not depend on the thread count.
+ */
+#ifndef DFLASH_BACKEND_H
+#define DFLASH_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dflash/pack.h"
+#include "dflash/status.h"
+
+/* Rows per op call: the verify block size limit and the prefill chunk. */
+#define DF_MAX_ROWS 16
+
+typedef struct df_backend df_backend;
+
+/* Geometry of a gated-attention layer (MODEL.md §1). */
+typedef struct df_attn_shape {
+    int n_heads, n_kv_heads, head_dim;
+    int rot_dims;           /* rotary dims (head_dim * partial_rotary_factor), even */
+    int mrope_section[3];   /* interleaved M-RoPE sections (text: all axes equal) */
+    float rope_theta;
+    float eps;              /* q_norm / k_norm epsilon */
+    int gated;              /* 1: q_proj gives [q | gate] per head (target); 0: plain q (drafter) */
+    int causal;             /* 1: row m sees cache positions <= its own; 0: all rows of the call */
+} df_attn_shape;
+
+/* Geometry of a Gated DeltaNet layer. */
+typedef struct df_gdn_shape {
+    int n_k_heads, n_v_heads, k_head_dim, v_head_dim;
+    int conv_kernel;        /* K */
+    float eps;              /* gated RMSNorm epsilon */
+} df_gdn_shape;
+
+typedef struct df_backend_ops {
+    const char *name;
+    void (*destroy)(df_backend *be);
+    /* Memory: alloc returns zeroed memory of the device (NULL on failure). */
+    void *(*alloc)(df_backend *be, size_t bytes);
+    void (*dealloc)(df_backend *be, void *p);
+    void (*to_device)(df_backend *be, void *dst, const void *src, size_t bytes);
+    void (*to_host)(df_backend *be, void *dst, const void *src, size_t bytes);
+    void (*copy)(df_backend *be, void *dst, const void *src, size_t bytes);
+    void (*zero)(df_backend *be, void *dst, size_t bytes);
+
+    /* out[M, E->cols] = rows ids[M] (host array) of the embedding, dequantized, and
+     * inverse-rotated when E->hadamard_block > 0 (signs ⊙ Hn(fp16(row)), rounded to fp16). */
+    void (*embed)(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out);
+    /* y[M, W->rows] = W · x[M, W->cols] (Hadamard rotation of x first when W has one). */
+    void (*linear)(df_backend *be, const df_linear *W, const float *x, int M, float *y);
+    /* y[r, :] = x[r, :] · rsqrt(mean(x[r,:]^2) + eps) · w   for r < rows (w may be NULL = 1). */
+    void (*rmsnorm)(df_backend *be, const float *x, const float *w, int rows, int width, float eps, float *y);
+    /* y[i] += x[i], i < n. */
+    void (*add)(df_backend *be, float *y, const float *x, size_t n);
+    /* out[r, i] = silu(gu[r, i]) · gu2[r, i] for separate gate/up buffers [rows, width]. */
+    void (*swiglu)(df_backend *be, const float *gate, const float *up, size_t n, float *out);
+
+    /* Gated attention over a KV cache, M rows at positions pos0..pos0+M-1.
+     * q: [M, n_heads, (gated ? 2 : 1) * head_dim] straight from q_proj (per head q then gate);
+     * k, v: [M, n_kv, head_dim] from k_proj / v_proj. q_norm/k_norm [head_dim] (NULL = none).
+     * Applies the norms and partial RoPE, writes k/v rows into the cache at pos0.. (cache
+     * layout [cap, n_kv, head_dim], cache_len = pos0 positions already valid), and computes
+     * out[M, n_heads*head_dim] = softmax(q K^T / sqrt(d) (+ causal)) V (· sigmoid(gate)).
+     * Non-causal: every row sees the cache up to pos0+M-1 (drafter block attention).
+     * positions: [M] host array of RoPE positions (text: pos0+m). */
+    void (*attention)(df_backend *be, const df_attn_shape *sh, float *q, float *k, const float *v,
+                      const float *q_norm, const float *k_norm, const int32_t *positions, int M,
+                      float *k_cache, float *v_cache, int pos0, float *out);
+
+    /* Gated DeltaNet for M rows, in order, each with the single-token recurrence
+     * (MODEL.md §1): qkv [M, 2Kd+Vd], z [M, Vd], a, b [M, nv] from the projections;
+     * conv_w [C, K]; A_log, dt_bias [nv]; norm_w [dv]. Advances conv_state [K-1, C] and
+     * S [nv, dk, dv] by M tokens; out [M, Vd] = GatedRMSNorm(o, z) (NULL: states only). */
+    void (*gdn)(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
+                const float *norm_w, int M, float *conv_state, float *S, float *out);
+} df_backend_ops;
+
+struct df_backend {
+    const df_backend_ops *ops;
+    int n_threads;
+    int failed;   /* sticky: an op could not get scratch memory; the caller reports DF_ERR_NOMEM */
+};
+
+/* The CPU backend with n_threads threads (0 = all online CPUs).
+ * Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */
+df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err);
+
+/* Hadamard helpers shared by backends and tests: in-place Sylvester Walsh–Hadamard transform
+ * of each `block`-wide chunk of x[n] scaled by 1/sqrt(block) (float32 butterflies, fixed order). */
+void df_hadamard_inplace(float *x, int n, int block);
+/* Rounds to the nearest fp16 value (round-to-nearest-even), returned as float. */
+float df_round_f16(float x);
+
+#endif

@@ -1,0 +1,91 @@
+/* The plain generation loop (include/dflash/generate.h): prefill, then one decode step per
+ * token, with incremental UTF-8-safe detokenisation and stop strings that are matched
+ * across token boundaries and never emitted. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/threads.h"
+#include "decode/textout.h"
+#include "dflash/generate.h"
+#include "model/target.h"
+
+df_gen_params df_gen_params_default(void) {
+    df_gen_params p;
+    memset(&p, 0, sizeof p);
+    p.sampling = df_sampling_default();
+    p.max_tokens = 256;
+    p.skip_special = 1;
+    return p;
+}
+
+const char *df_finish_reason_name(df_finish_reason r) {
+    switch (r) {
+    case DF_FINISH_STOP: return "stop";
+    case DF_FINISH_LENGTH: return "length";
+    case DF_FINISH_CANCELLED: return "cancelled";
+    case DF_FINISH_NONE: break;
+    }
+    return "none";
+}
+
+void df_gen_result_free(df_gen_result *r) {
+    if (!r) return;
+    free(r->ids);
+    free(r->text);
+    memset(r, 0, sizeof *r);
+}
+
+df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const df_gen_params *params,
+                      df_gen_callback cb, void *user, df_gen_result *res, df_error *err) {
+    memset(res, 0, sizeof *res);
+    res->n_prompt = n_prompt;
+    df_engine *eng = s->eng;
+    const int V = eng->pack->cfg.vocab_size;
+    if (n_prompt <= 0) return df_error_set(err, DF_ERR_INVALID_ARG, "empty prompt");
+    if (n_prompt >= s->max_ctx)
+        return df_error_set(err, DF_ERR_RANGE, "prompt of %d tokens does not fit the context of %d", n_prompt,
+                            s->max_ctx);
+    for (int i = 0; i < params->n_stop; i++)
+        if (!params->stop[i] || !params->stop[i][0])
+            return df_error_set(err, DF_ERR_INVALID_ARG, "stop string %d is empty", i);
+    float *logits = malloc((size_t)V * sizeof(float));
+    if (!logits) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    df_textout out;
+    df_textout_init(&out, eng->tok, params, cb, user);
+    df_sampler sm;
+    df_sampler_init(&sm, &params->sampling);
+    df_session_reset(s);
+
+    double t0 = df_now_ms();
+    df_status st = df_session_prefill(s, prompt, n_prompt, logits, err);
+    double t1 = df_now_ms();
+    res->prompt_ms = t1 - t0;
+    int cap_tokens = s->max_ctx - n_prompt;
+    int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
+    while (st == DF_OK && out.finish == DF_FINISH_NONE) {
+        int32_t id = df_sampler_sample(&sm, logits, V);
+        st = df_textout_push(&out, id, df_engine_is_eos(eng, id), err);
+        if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
+        if (out.n_ids >= max_tokens) {
+            out.finish = DF_FINISH_LENGTH;
+            break;
+        }
+        st = df_session_decode(s, id, logits, err);
+    }
+    res->decode_ms = df_now_ms() - t1;
+    df_textout_finish(&out, res);
+    df_sampler_free(&sm);
+    free(logits);
+    return st;
+}
+
+char *df_chatml_render(const char *const *roles, const char *const *contents, int n, int enable_thinking) {
+    size_t len = 64;
+    for (int i = 0; i < n; i++) len += strlen(roles[i]) + strlen(contents[i]) + 32;
+    char *p = malloc(len), *w = p;
+    if (!p) return NULL;
+    for (int i = 0; i < n; i++) w += sprintf(w, "<|im_start|>%s\n%s<|im_end|>\n", roles[i], contents[i]);
+    w += sprintf(w, "<|im_start|>assistant\n%s", enable_thinking ? "<think>\n" : "<think>\n\n</think>\n\n");
+    return p;
+}

@@ -1,0 +1,147 @@
+/* Token sampling (include/dflash/generate.h): greedy argmax, or temperature with top-k,
+ * top-p (nucleus, Holtzman et al. 2019) and min-p filters, drawn from a seeded
+ * xoshiro256** generator (Blackman & Vigna) so that the same seed gives the same output. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dflash/generate.h"
+
+df_sampling_params df_sampling_default(void) {
+    df_sampling_params p = {.temperature = 0.0f, .top_p = 1.0f, .top_k = 0, .min_p = 0.0f, .seed = 0,
+                            .has_seed = 0};
+    return p;
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoshiro_next(uint64_t s[4]) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+void df_sampler_init(df_sampler *s, const df_sampling_params *p) {
+    memset(s, 0, sizeof *s);
+    s->p = *p;
+    uint64_t seed = p->seed;
+    if (!p->has_seed) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ (uint64_t)(uintptr_t)s;
+    }
+    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&seed);
+}
+
+void df_sampler_free(df_sampler *s) {
+    free(s->probs);
+    free(s->idx);
+    s->probs = NULL;
+    s->idx = NULL;
+    s->cap = 0;
+}
+
+int32_t df_argmax(const float *logits, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+/* Orders candidate ids by logit, highest first; lower id first on ties. */
+static int cmp_desc(const void *a, const void *b, void *ctx) {
+    const float *logits = ctx;
+    int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    float x = logits[i], y = logits[j];
+    if (x > y) return -1;
+    if (x < y) return 1;
+    return (i > j) - (i < j);
+}
+
+/* Keeps the k best ids of idx[0..n) in idx[0..k), sorted (a bounded insertion pass). */
+static int select_top_k(const float *logits, int32_t *idx, int n, int k) {
+    int len = 0;
+    for (int i = 0; i < n; i++) {
+        int32_t id = idx[i];
+        float v = logits[id];
+        if (len == k && !(v > logits[idx[len - 1]])) continue;
+        int pos = len < k ? len++ : k - 1;
+        while (pos > 0 && v > logits[idx[pos - 1]]) {
+            idx[pos] = idx[pos - 1];
+            pos--;
+        }
+        idx[pos] = id;
+    }
+    return len;
+}
+
+int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
+    const df_sampling_params *p = &s->p;
+    if (!(p->temperature > 0.0f)) return df_argmax(logits, n_vocab);
+    if (s->cap < n_vocab) {
+        float *pr = realloc(s->probs, (size_t)n_vocab * sizeof(float));
+        if (pr) s->probs = pr;
+        int32_t *ix = realloc(s->idx, (size_t)n_vocab * sizeof(int32_t));
+        if (ix) s->idx = ix;
+        if (!pr || !ix) return df_argmax(logits, n_vocab); /* no memory: degrade to greedy */
+        s->cap = n_vocab;
+    }
+    int32_t *idx = s->idx;
+    float *probs = s->probs;
+    for (int i = 0; i < n_vocab; i++) idx[i] = i;
+    int n = n_vocab;
+    if (p->top_k > 0 && p->top_k < n) {
+        n = select_top_k(logits, idx, n, p->top_k);
+    } else {
+        qsort_r(idx, (size_t)n, sizeof *idx, cmp_desc, logits);
+    }
+    /* softmax with temperature over the candidates (sorted, highest first) */
+    const float mx = logits[idx[0]];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        probs[i] = expf((logits[idx[i]] - mx) / p->temperature);
+        sum += probs[i];
+    }
+    for (int i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
+    if (p->top_p > 0.0f && p->top_p < 1.0f) {
+        double c = 0.0;
+        int keep = n;
+        for (int i = 0; i < n; i++) {
+            c += probs[i];
+            if (c >= p->top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        n = keep;
+    }
+    if (p->min_p > 0.0f) {
+        float thr = probs[0] * p->min_p;
+        int keep = 1;
+        while (keep < n && probs[keep] >= thr) keep++;
+        n = keep;
+    }
+    double total = 0.0;
+    for (int i = 0; i < n; i++) total += probs[i];
+    double r = (double)(xoshiro_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    double c = 0.0;
+    for (int i = 0; i < n; i++) {
+        c += probs[i];
+        if (r < c) return idx[i];
+    }
+    return idx[n - 1];
+}

@@ -1,0 +1,325 @@
+/* The target model: the Qwen3.5 hybrid forward pass (MODEL.md §1) over backend ops, and the
+ * engine/session API of include/dflash/engine.h.
+ *
+ * Every token — prefill, decode or verify — goes through forward_rows() in tiles of at most
+ * DF_MAX_ROWS rows, so a row's arithmetic is the same whether it was prefilled at once, in
+ * chunks, one at a time, or verified in a block (backend.h exactness contract).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/threads.h"
+#include "dflash/engine.h"
+#include "model/target.h"
+
+/* ---- engine -------------------------------------------------------------------------------- */
+
+df_status df_engine_load(df_engine **out, const char *dir, const df_engine_options *opt, df_error *err) {
+    *out = NULL;
+    df_engine *e = calloc(1, sizeof *e);
+    if (!e) return df_error_set(err, DF_ERR_NOMEM, "engine: out of memory");
+    df_status st = df_pack_load(&e->pack, dir, err);
+    if (st != DF_OK) goto fail;
+    const df_text_config *c = &e->pack->cfg;
+    if (c->head_dim > 1024 || c->lin_k_head_dim > 512 || c->lin_v_head_dim > 512 || c->conv_kernel > 16 ||
+        c->conv_kernel < 1) {
+        st = df_error_set(err, DF_ERR_UNSUPPORTED,
+                          "config: head sizes above 512 (GDN) / 1024 (attention) or conv kernel above 16 "
+                          "are not supported");
+        goto fail;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    st = df_tokenizer_load(&e->tok, path, err);
+    if (st != DF_OK) {
+        df_error_prefix(err, "tokenizer.json");
+        goto fail;
+    }
+    st = df_backend_cpu_create(&e->be, opt ? opt->n_threads : 0, err);
+    if (st != DF_OK) goto fail;
+    *out = e;
+    return DF_OK;
+fail:
+    df_engine_free(e);
+    return st;
+}
+
+void df_engine_free(df_engine *e) {
+    if (!e) return;
+    if (e->be) e->be->ops->destroy(e->be);
+    df_tokenizer_free(e->tok);
+    df_pack_free(e->pack);
+    free(e);
+}
+
+const df_pack *df_engine_pack(const df_engine *e) { return e->pack; }
+const df_tokenizer *df_engine_tokenizer(const df_engine *e) { return e->tok; }
+int df_engine_vocab_size(const df_engine *e) { return e->pack->cfg.vocab_size; }
+int df_engine_n_threads(const df_engine *e) { return e->be->n_threads; }
+
+int df_engine_is_eos(const df_engine *e, int32_t id) {
+    for (int i = 0; i < e->pack->cfg.n_eos; i++)
+        if (e->pack->cfg.eos_ids[i] == id) return 1;
+    return 0;
+}
+
+/* ---- session ------------------------------------------------------------------------------- */
+
+static void *be_alloc(df_backend *be, size_t n_floats) { return be->ops->alloc(be, n_floats * sizeof(float)); }
+
+df_status df_session_init(df_session **out, df_engine *eng, int max_ctx, df_error *err) {
+    *out = NULL;
+    const df_text_config *c = &eng->pack->cfg;
+    if (max_ctx <= 0) max_ctx = c->max_position_embeddings < 32768 ? c->max_position_embeddings : 32768;
+    if (max_ctx > c->max_position_embeddings)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "context size %d exceeds the model's maximum %d", max_ctx,
+                            c->max_position_embeddings);
+    df_session *s = calloc(1, sizeof *s);
+    if (!s) return df_error_set(err, DF_ERR_NOMEM, "session: out of memory");
+    s->eng = eng;
+    s->be = eng->be;
+    s->max_ctx = max_ctx;
+    const int L = c->n_layers, H = c->hidden_size;
+    const int Kd = c->lin_n_k_heads * c->lin_k_head_dim, Vd = c->lin_n_v_heads * c->lin_v_head_dim;
+    s->conv_ch = 2 * Kd + Vd;
+    s->layer = calloc((size_t)L, sizeof *s->layer);
+    if (!s->layer) goto oom;
+    for (int l = 0; l < L; l++) {
+        df_session_layer *sl = &s->layer[l];
+        if (c->layer_kinds[l] == DF_LAYER_LINEAR_ATTENTION) {
+            sl->conv_state = be_alloc(s->be, (size_t)(c->conv_kernel - 1) * (size_t)s->conv_ch + 1);
+            sl->ssm_state = be_alloc(s->be, (size_t)c->lin_n_v_heads * (size_t)c->lin_k_head_dim *
+                                                (size_t)c->lin_v_head_dim);
+            if (!sl->conv_state || !sl->ssm_state) goto oom;
+        }
+    }
+    /* activations for one tile of DF_MAX_ROWS rows */
+    const int R = DF_MAX_ROWS;
+    const int qdim = c->n_heads * 2 * c->head_dim, kvdim = c->n_kv_heads * c->head_dim;
+    size_t wide = (size_t)c->intermediate_size;
+    if ((size_t)qdim > wide) wide = (size_t)qdim;
+    if ((size_t)s->conv_ch > wide) wide = (size_t)s->conv_ch;
+    s->x = be_alloc(s->be, (size_t)R * H);
+    s->h = be_alloc(s->be, (size_t)R * H);
+    s->y = be_alloc(s->be, (size_t)R * H);
+    s->t1 = be_alloc(s->be, (size_t)R * wide);
+    s->t2 = be_alloc(s->be, (size_t)R * wide);
+    s->t3 = be_alloc(s->be, (size_t)R * wide);
+    s->t4 = be_alloc(s->be, (size_t)R * (kvdim > Vd ? kvdim : Vd));
+    s->ta = be_alloc(s->be, (size_t)R * c->lin_n_v_heads);
+    s->tb = be_alloc(s->be, (size_t)R * c->lin_n_v_heads);
+    s->logits = be_alloc(s->be, (size_t)R * c->vocab_size);
+    if (!s->x || !s->h || !s->y || !s->t1 || !s->t2 || !s->t3 || !s->t4 || !s->ta || !s->tb || !s->logits)
+        goto oom;
+    *out = s;
+    return DF_OK;
+oom:
+    df_session_free(s);
+    return df_error_set(err, DF_ERR_NOMEM, "session: out of memory for %d positions", max_ctx);
+}
+
+void df_session_free(df_session *s) {
+    if (!s) return;
+    df_backend *be = s->be;
+    const df_text_config *c = &s->eng->pack->cfg;
+    if (s->layer) {
+        for (int l = 0; l < c->n_layers; l++) {
+            be->ops->dealloc(be, s->layer[l].conv_state);
+            be->ops->dealloc(be, s->layer[l].ssm_state);
+            be->ops->dealloc(be, s->layer[l].k_cache);
+            be->ops->dealloc(be, s->layer[l].v_cache);
+        }
+    }
+    free(s->layer);
+    float *bufs[] = {s->x, s->h, s->y, s->t1, s->t2, s->t3, s->t4, s->ta, s->tb, s->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->dealloc(be, bufs[i]);
+    free(s);
+}
+
+void df_session_reset(df_session *s) {
+    const df_text_config *c = &s->eng->pack->cfg;
+    df_backend *be = s->be;
+    for (int l = 0; l < c->n_layers; l++) {
+        df_session_layer *sl = &s->layer[l];
+        if (sl->conv_state) {
+            be->ops->zero(be, sl->conv_state, (size_t)(c->conv_kernel - 1) * (size_t)s->conv_ch * sizeof(float));
+            be->ops->zero(be, sl->ssm_state, (size_t)c->lin_n_v_heads * (size_t)c->lin_k_head_dim *
+                                                 (size_t)c->lin_v_head_dim * sizeof(float));
+        }
+    }
+    s->pos = 0;
+}
+
+int df_session_pos(const df_session *s) { return s->pos; }
+int df_session_max_ctx(const df_session *s) { return s->max_ctx; }
+void df_session_capture_hidden(df_session *s, float *hidden) {
+    s->capture = hidden;
+    s->capture_row = 0;
+}
+
+/* Makes sure every attention layer's KV cache holds `need` positions (grows by doubling). */
+static df_status ensure_kv(df_session *s, int need, df_error *err) {
+    if (need <= s->kv_cap) return DF_OK;
+    const df_text_config *c = &s->eng->pack->cfg;
+    int cap = s->kv_cap ? s->kv_cap : 256;
+    while (cap < need) cap *= 2;
+    if (cap > s->max_ctx) cap = s->max_ctx;
+    const size_t row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    df_backend *be = s->be;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->layer_kinds[l] != DF_LAYER_FULL_ATTENTION) continue;
+        df_session_layer *sl = &s->layer[l];
+        float *k = be_alloc(be, (size_t)cap * row), *v = be_alloc(be, (size_t)cap * row);
+        if (!k || !v) {
+            be->ops->dealloc(be, k);
+            be->ops->dealloc(be, v);
+            return df_error_set(err, DF_ERR_NOMEM, "KV cache: out of memory for %d positions", cap);
+        }
+        if (sl->k_cache) {
+            be->ops->copy(be, k, sl->k_cache, (size_t)s->pos * row * sizeof(float));
+            be->ops->copy(be, v, sl->v_cache, (size_t)s->pos * row * sizeof(float));
+            be->ops->dealloc(be, sl->k_cache);
+            be->ops->dealloc(be, sl->v_cache);
+        }
+        sl->k_cache = k;
+        sl->v_cache = v;
+    }
+    s->kv_cap = cap;
+    return DF_OK;
+}
+
+static void capture_plane(df_session *s, int plane, const float *src, int M) {
+    const df_text_config *c = &s->eng->pack->cfg;
+    const size_t H = (size_t)c->hidden_size;
+    float *dst = s->capture + ((size_t)plane * (size_t)s->capture_n + (size_t)s->capture_row) * H;
+    s->be->ops->to_host(s->be, dst, src, (size_t)M * H * sizeof(float));
+}
+
+/* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. . Writes logits [M, vocab] (host)
+ * for rows >= logits_from when logits != NULL. */
+df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
+                                 df_error *err) {
+    const df_pack *pk = s->eng->pack;
+    const df_text_config *c = &pk->cfg;
+    df_backend *be = s->be;
+    const df_backend_ops *op = be->ops;
+    const int H = c->hidden_size;
+    if (M <= 0 || M > DF_MAX_ROWS) return df_error_set(err, DF_ERR_INTERNAL, "forward: %d rows", M);
+    if (s->pos + M > s->max_ctx)
+        return df_error_set(err, DF_ERR_RANGE, "context full: %d positions + %d tokens exceed %d", s->pos, M,
+                            s->max_ctx);
+    for (int m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= c->vocab_size)
+            return df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", ids[m], c->vocab_size);
+    df_status st = ensure_kv(s, s->pos + M, err);
+    if (st != DF_OK) return st;
+
+    int32_t positions[DF_MAX_ROWS];
+    for (int m = 0; m < M; m++) positions[m] = s->pos + m;
+
+    op->embed(be, &pk->embed, ids, M, s->x);
+    if (s->capture) capture_plane(s, 0, s->x, M);
+
+    const df_attn_shape ash = {
+        .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+        .rot_dims = ((int)((float)c->head_dim * c->partial_rotary_factor)) & ~1,
+        .mrope_section = {c->mrope_section[0], c->mrope_section[1], c->mrope_section[2]},
+        .rope_theta = c->rope_theta, .eps = c->rms_norm_eps, .gated = 1, .causal = 1};
+    const df_gdn_shape gsh = {.n_k_heads = c->lin_n_k_heads, .n_v_heads = c->lin_n_v_heads,
+                              .k_head_dim = c->lin_k_head_dim, .v_head_dim = c->lin_v_head_dim,
+                              .conv_kernel = c->conv_kernel, .eps = c->rms_norm_eps};
+    const size_t MH = (size_t)M * (size_t)H;
+
+    for (int l = 0; l < c->n_layers; l++) {
+        const df_layer_weights *w = &pk->layers[l];
+        df_session_layer *sl = &s->layer[l];
+        op->rmsnorm(be, s->x, w->input_norm.data, M, H, c->rms_norm_eps, s->h);
+        if (w->kind == DF_LAYER_FULL_ATTENTION) {
+            op->linear(be, &w->q_proj, s->h, M, s->t1);
+            op->linear(be, &w->k_proj, s->h, M, s->t2);
+            op->linear(be, &w->v_proj, s->h, M, s->t4);
+            op->attention(be, &ash, s->t1, s->t2, s->t4, w->q_norm.data, w->k_norm.data, positions, M,
+                          sl->k_cache, sl->v_cache, s->pos, s->t3);
+            op->linear(be, &w->o_proj, s->t3, M, s->y);
+        } else {
+            op->linear(be, &w->in_proj_qkv, s->h, M, s->t1);
+            op->linear(be, &w->in_proj_z, s->h, M, s->t2);
+            op->linear(be, &w->in_proj_a, s->h, M, s->ta);
+            op->linear(be, &w->in_proj_b, s->h, M, s->tb);
+            if (s->gdn_record) s->gdn_record(s->gdn_record_user, l, s->t1, s->t2, s->ta, s->tb, M);
+            op->gdn(be, &gsh, s->t1, s->t2, s->ta, s->tb, w->conv1d.data, w->A_log.data, w->dt_bias.data,
+                    w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, s->t3);
+            op->linear(be, &w->out_proj, s->t3, M, s->y);
+        }
+        op->add(be, s->x, s->y, MH);
+        op->rmsnorm(be, s->x, w->post_norm.data, M, H, c->rms_norm_eps, s->h);
+        op->linear(be, &w->gate_proj, s->h, M, s->t1);
+        op->linear(be, &w->up_proj, s->h, M, s->t2);
+        op->swiglu(be, s->t1, s->t2, (size_t)M * (size_t)c->intermediate_size, s->t3);
+        op->linear(be, &w->down_proj, s->t3, M, s->y);
+        op->add(be, s->x, s->y, MH);
+        if (s->capture) capture_plane(s, l + 1, s->x, M);
+        if (s->tap) s->tap(s->tap_user, l, s->x, M);
+    }
+    s->pos += M;
+    if (s->capture || logits) {
+        op->rmsnorm(be, s->x, pk->final_norm.data, M, H, c->rms_norm_eps, s->h);
+        if (s->capture) {
+            capture_plane(s, c->n_layers + 1, s->h, M);
+            s->capture_row += M;
+        }
+    }
+    if (logits && logits_from < M) {
+        int n = M - logits_from;
+        op->linear(be, &pk->lm_head, s->h + (size_t)logits_from * (size_t)H, n, s->logits);
+        op->to_host(be, logits, s->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
+    }
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "forward: out of memory for scratch buffers");
+    }
+    return DF_OK;
+}
+
+static df_status run_tokens(df_session *s, const int32_t *ids, int n, float *logits, int all, df_error *err) {
+    if (n <= 0) return df_error_set(err, DF_ERR_INVALID_ARG, "no tokens to run");
+    if (s->pos + n > s->max_ctx)
+        return df_error_set(err, DF_ERR_RANGE, "context full: %d positions + %d tokens exceed %d", s->pos, n,
+                            s->max_ctx);
+    const int V = s->eng->pack->cfg.vocab_size;
+    s->capture_n = n;
+    s->capture_row = 0;
+    for (int i = 0; i < n; i += DF_MAX_ROWS) {
+        int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
+        float *lg = NULL;
+        int from = M;
+        if (logits && all) {
+            lg = logits + (size_t)i * (size_t)V;
+            from = 0;
+        } else if (logits && i + M == n) {
+            lg = logits;
+            from = M - 1;
+        }
+        df_status st = df_target_forward_rows(s, ids + i, M, lg, from, err);
+        if (st != DF_OK) {
+            s->capture = NULL;
+            return st;
+        }
+    }
+    s->capture = NULL;
+    return DF_OK;
+}
+
+df_status df_session_prefill(df_session *s, const int32_t *ids, int n, float *logits, df_error *err) {
+    return run_tokens(s, ids, n, logits, 0, err);
+}
+
+df_status df_session_prefill_all(df_session *s, const int32_t *ids, int n, float *logits, df_error *err) {
+    return run_tokens(s, ids, n, logits, 1, err);
+}
+
+df_status df_session_decode(df_session *s, int32_t id, float *logits, df_error *err) {
+    return run_tokens(s, &id, 1, logits, 0, err);
+}
