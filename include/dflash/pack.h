@@ -135,6 +135,14 @@ void df_pack_free(df_pack *pack);
 df_status df_text_config_parse(df_text_config *cfg, const char *json_text, df_error *err);
 void df_text_config_free(df_text_config *cfg);
 
+/* Parses a generation_config.json text into gen (sampling defaults; has_* = 1 for each
+ * field present: temperature >= 0, top_p in (0, 1], top_k >= 0, min_p in [0, 1],
+ * repetition_penalty > 0). When cfg is non-NULL its eos_token_id (an id or a list) is
+ * merged into cfg->eos_ids (ids must be < cfg->vocab_size). Errors: DF_ERR_FORMAT naming
+ * the field. */
+df_status df_generation_config_parse(df_generation_defaults *gen, df_text_config *cfg,
+                                     const char *json_text, df_error *err);
+
 #ifdef __cplusplus
 }
 #endif

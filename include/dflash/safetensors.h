@@ -73,8 +73,10 @@ size_t df_tensors_count(const df_tensor_set *set);
 df_tensor *df_tensors_at(df_tensor_set *set, size_t i);
 /* The __metadata__ "format" value of the first file, or NULL. */
 const char *df_tensors_format(const df_tensor_set *set);
-/* Path of file i of the set (for error messages). */
+/* Path of file i of the set (for error messages); "?" when out of range. */
 const char *df_tensors_file_path(const df_tensor_set *set, int file_index);
+/* Number of files in the set (1 for a single file, the shard count for an index). */
+int df_tensors_file_count(const df_tensor_set *set);
 
 void df_tensors_free(df_tensor_set *set);
 
