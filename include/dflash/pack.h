@@ -32,7 +32,7 @@ extern "C" {
  * Dense (bits == 0): w is F16/BF16/F32 [rows, cols] (dtype in wdtype).
  * Hadamard (hadamard_block > 0): the input is rotated first, x' = Hn(signs ⊙ x) with a
  *   Sylvester Walsh–Hadamard transform on each hadamard_block-wide chunk scaled by
- *   1/sqrt(block), and rounded to fp16 (MODEL.md §2). signs: float32 [cols]. */
+ *   1/sqrt(block) (MODEL.md §2; kept in float32, which is what the reference outputs match). signs: float32 [cols]. */
 typedef struct df_linear {
     const char *name;      /* module path, e.g. "language_model.model.layers.0.mlp.up_proj" */
     int rows, cols;
