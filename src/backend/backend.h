@@ -77,6 +77,11 @@ typedef struct df_backend_ops {
                       const float *q_norm, const float *k_norm, const int32_t *positions, int M,
                       float *k_cache, float *v_cache, int pos0, float *out);
 
+    /* The key/value half of `attention` alone: applies k_norm and RoPE to k [M, n_kv, head_dim]
+     * (in place) and writes k, v rows into the cache at index pos0.. (drafter context rows). */
+    void (*kv_append)(df_backend *be, const df_attn_shape *sh, float *k, const float *v, const float *k_norm,
+                      const int32_t *positions, int M, float *k_cache, float *v_cache, int pos0);
+
     /* Gated DeltaNet for M rows, in order, each with the single-token recurrence
      * (MODEL.md §1): qkv [M, 2Kd+Vd], z [M, Vd], a, b [M, nv] from the projections;
      * conv_w [C, K]; A_log, dt_bias [nv]; norm_w [dv]. Advances conv_state [K-1, C] and

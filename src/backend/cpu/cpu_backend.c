@@ -384,20 +384,12 @@ static void attn_task(void *vctx, int task, int n_tasks) {
     }
 }
 
-static void cpu_attention(df_backend *be, const df_attn_shape *sh, float *q, float *k, const float *v,
-                          const float *q_norm, const float *k_norm, const int32_t *positions, int M,
-                          float *k_cache, float *v_cache, int pos0, float *out) {
-    cpu_backend *cb = cpu(be);
-    const int hd = sh->head_dim, nh = sh->n_heads, nkv = sh->n_kv_heads;
-    const int qstride = (sh->gated ? 2 : 1) * hd;
-    float cs[256], sn[256];
+static void cpu_kv_append(df_backend *be, const df_attn_shape *sh, float *k, const float *v, const float *k_norm,
+                          const int32_t *positions, int M, float *k_cache, float *v_cache, int pos0) {
+    const int hd = sh->head_dim, nkv = sh->n_kv_heads;
+    float cs[512], sn[512];
     for (int m = 0; m < M; m++) {
         rope_table(sh->rot_dims, sh->rope_theta, positions[m], cs, sn);
-        for (int h = 0; h < nh; h++) {
-            float *qh = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride;
-            if (q_norm) cpu_rmsnorm(be, qh, q_norm, 1, hd, sh->eps, qh);
-            rope_apply(qh, sh->rot_dims, cs, sn);
-        }
         for (int h = 0; h < nkv; h++) {
             float *kh = k + ((size_t)m * (size_t)nkv + (size_t)h) * (size_t)hd;
             if (k_norm) cpu_rmsnorm(be, kh, k_norm, 1, hd, sh->eps, kh);
@@ -407,6 +399,24 @@ static void cpu_attention(df_backend *be, const df_attn_shape *sh, float *q, flo
     size_t kv_row = (size_t)nkv * (size_t)hd;
     memcpy(k_cache + (size_t)pos0 * kv_row, k, (size_t)M * kv_row * sizeof(float));
     memcpy(v_cache + (size_t)pos0 * kv_row, v, (size_t)M * kv_row * sizeof(float));
+}
+
+static void cpu_attention(df_backend *be, const df_attn_shape *sh, float *q, float *k, const float *v,
+                          const float *q_norm, const float *k_norm, const int32_t *positions, int M,
+                          float *k_cache, float *v_cache, int pos0, float *out) {
+    cpu_backend *cb = cpu(be);
+    const int hd = sh->head_dim, nh = sh->n_heads;
+    const int qstride = (sh->gated ? 2 : 1) * hd;
+    float cs[512], sn[512];
+    for (int m = 0; m < M; m++) {
+        rope_table(sh->rot_dims, sh->rope_theta, positions[m], cs, sn);
+        for (int h = 0; h < nh; h++) {
+            float *qh = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride;
+            if (q_norm) cpu_rmsnorm(be, qh, q_norm, 1, hd, sh->eps, qh);
+            rope_apply(qh, sh->rot_dims, cs, sn);
+        }
+    }
+    cpu_kv_append(be, sh, k, v, k_norm, positions, M, k_cache, v_cache, pos0);
     int n_tasks = df_pool_size(cb->pool);
     if (n_tasks > M * nh) n_tasks = M * nh;
     int len_max = pos0 + M;
@@ -551,6 +561,7 @@ static const df_backend_ops cpu_ops = {
     .add = cpu_add,
     .swiglu = cpu_swiglu,
     .attention = cpu_attention,
+    .kv_append = cpu_kv_append,
     .gdn = cpu_gdn,
 };
 

@@ -1,0 +1,70 @@
+/* dflash: the DFlash block-diffusion drafter (MODEL.md §5; z-lab/dflash `DFlashDraftModel`).
+ *
+ * A drafter has no embedding or head of its own: it uses the target's embed_tokens and
+ * lm_head. Its context is the target's residual stream at the tap layers
+ * (dflash_config.target_layer_ids), fused per position by fc + hidden_norm; each layer keeps
+ * the K/V of the last `window` context positions. One pass drafts a block: the last
+ * committed token followed by mask tokens, attended non-causally over context + block.
+ */
+#ifndef DFLASH_DRAFTER_H
+#define DFLASH_DRAFTER_H
+
+#include <stdint.h>
+
+#include "dflash/engine.h"
+#include "dflash/pack.h"
+#include "dflash/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DF_DRAFT_MAX_TAPS 16
+
+typedef struct df_drafter_config {
+    int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
+    int block_size;              /* the drafter's trained block size */
+    int32_t mask_token_id;
+    int n_taps;
+    int taps[DF_DRAFT_MAX_TAPS]; /* target layer ids whose outputs form the context */
+    float rms_norm_eps, rope_theta;
+} df_drafter_config;
+
+typedef struct df_drafter df_drafter;
+
+/* Loads a DFlash (v1) drafter folder (config.json with architectures ["DFlashDraftModel"]
+ * and model.safetensors with bf16/f16/f32 weights) for the target pack of eng, and checks it
+ * against the target (hidden size, tap layers, mask id inside the vocabulary). Errors:
+ * DF_ERR_IO, DF_ERR_FORMAT, DF_ERR_MODEL (tensor missing/wrong/unexpected), DF_ERR_UNSUPPORTED
+ * (another drafter architecture). */
+df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_error *err);
+void df_drafter_free(df_drafter *d);
+const df_drafter_config *df_drafter_get_config(const df_drafter *d);
+
+/* Per-sequence drafter state: the context K/V window. */
+typedef struct df_draft_state df_draft_state;
+
+/* window: context positions kept (>= 1). Errors: DF_ERR_NOMEM. */
+df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, df_error *err);
+void df_draft_state_free(df_draft_state *st);
+/* Forgets the context. */
+void df_draft_state_reset(df_draft_state *st);
+/* Context positions currently held (<= window). */
+int df_draft_state_len(const df_draft_state *st);
+
+/* Appends n context rows: feats [n, n_taps*hidden] (the tap outputs concatenated in
+ * target_layer_ids order) at positions first_pos .. first_pos+n-1. Only the last `window`
+ * rows are kept. Errors: DF_ERR_NOMEM. */
+df_status df_draft_add_context(df_draft_state *st, const float *feats, int n, int32_t first_pos, df_error *err);
+
+/* Drafts a block of B rows (2 <= B <= 16): row 0 = `bonus` at position p0, rows 1..B-1 =
+ * mask tokens. drafts[B-1] receives the argmax of rows 1..B-1 through the target's lm_head.
+ * Optional outputs: hidden [B, hidden] (after the final norm), logits [B-1, vocab].
+ * Errors: DF_ERR_INVALID_ARG (B), DF_ERR_NOMEM. */
+df_status df_draft_block(df_draft_state *st, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
+                         float *logits, df_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,422 @@
+/* The DFlash (v1) drafter (include/dflash/drafter.h; MODEL.md §5, z-lab/dflash).
+ *
+ * Per draft layer (Qwen3-style, plain RMSNorm x·rsqrt(mean x²+eps)·w):
+ *   h = RMSNorm(x, input_layernorm)
+ *   q = RoPE(q_norm(W_q h))                    block rows
+ *   K, V = RoPE(k_norm(W_k [C; h])), W_v [C; h] context rows (cached) + block rows
+ *   x = x + W_o softmax(q Kᵀ/sqrt(d)) V        non-causal over context and block
+ *   x = x + W_down(silu(W_gate u) ⊙ W_up u),  u = RMSNorm(x, post_attention_layernorm)
+ * then logits = lm_head(RMSNorm(x, norm)) with the target's head.
+ */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "dflash/drafter.h"
+#include "dflash/generate.h"
+#include "dflash/safetensors.h"
+#include "model/target.h"
+
+typedef struct draft_layer {
+    df_vecf in_norm, post_norm, q_norm, k_norm;
+    df_linear q, k, v, o, gate, up, down;
+} draft_layer;
+
+struct df_drafter {
+    df_drafter_config cfg;
+    df_engine *eng;
+    df_tensor_set *ts;
+    df_linear fc;
+    df_vecf hidden_norm, norm;
+    draft_layer *layers;
+    float **owned;
+    int n_owned;
+};
+
+struct df_draft_state {
+    df_drafter *d;
+    int window, len;
+    float **k_cache, **v_cache; /* per layer [window + DF_MAX_ROWS, n_kv, head_dim] */
+    float *x, *h, *y, *t1, *t2, *t3, *tk, *tv, *ctx;
+    float *logits;
+};
+
+/* ---- loading ------------------------------------------------------------------------------- */
+
+static int json_int(json_t *o, const char *key, int *out) {
+    json_t *v = json_object_get(o, key);
+    if (!json_is_integer(v)) return 0;
+    *out = (int)json_integer_value(v);
+    return 1;
+}
+
+static int json_num(json_t *o, const char *key, float *out) {
+    json_t *v = json_object_get(o, key);
+    if (!json_is_number(v)) return 0;
+    *out = (float)json_number_value(v);
+    return 1;
+}
+
+static df_status parse_config(df_drafter_config *c, const char *dir, df_error *err) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    if (!root)
+        return df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s (line %d)", je.text, je.line);
+    df_status st = DF_OK;
+    json_t *arch = json_array_get(json_object_get(root, "architectures"), 0);
+    const char *a = json_string_value(arch);
+    if (!a || strcmp(a, "DFlashDraftModel") != 0) {
+        st = df_error_set(err, DF_ERR_UNSUPPORTED,
+                          "drafter config.json: architectures[0] is \"%s\"; this version loads \"DFlashDraftModel\"",
+                          a ? a : "(missing)");
+        goto done;
+    }
+    memset(c, 0, sizeof *c);
+    json_t *dc = json_object_get(root, "dflash_config");
+    json_t *rp = json_object_get(root, "rope_parameters");
+    if (!json_int(root, "hidden_size", &c->hidden_size) || !json_int(root, "num_hidden_layers", &c->n_layers) ||
+        !json_int(root, "num_attention_heads", &c->n_heads) || !json_int(root, "num_key_value_heads", &c->n_kv_heads) ||
+        !json_int(root, "intermediate_size", &c->intermediate_size) || !json_is_object(dc) ||
+        !json_int(dc, "mask_token_id", &c->mask_token_id)) {
+        st = df_error_set(err, DF_ERR_FORMAT,
+                          "drafter config.json: hidden_size, num_hidden_layers, num_attention_heads, "
+                          "num_key_value_heads, intermediate_size and dflash_config.mask_token_id are required integers");
+        goto done;
+    }
+    if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->n_heads ? c->hidden_size / c->n_heads : 0;
+    if (!json_int(root, "block_size", &c->block_size) && !json_int(dc, "block_size", &c->block_size))
+        c->block_size = 16;
+    if (!json_num(root, "rms_norm_eps", &c->rms_norm_eps)) c->rms_norm_eps = 1e-6f;
+    if (!json_num(root, "rope_theta", &c->rope_theta) && !(rp && json_num(rp, "rope_theta", &c->rope_theta)))
+        c->rope_theta = 1e6f;
+    json_t *taps = json_object_get(dc, "target_layer_ids");
+    if (!json_is_array(taps) || json_array_size(taps) == 0 || json_array_size(taps) > DF_DRAFT_MAX_TAPS) {
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: dflash_config.target_layer_ids must be a list of "
+                                              "1..%d layer ids", DF_DRAFT_MAX_TAPS);
+        goto done;
+    }
+    c->n_taps = (int)json_array_size(taps);
+    for (int i = 0; i < c->n_taps; i++) {
+        json_t *v = json_array_get(taps, (size_t)i);
+        if (!json_is_integer(v)) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: target_layer_ids[%d] is not an integer", i);
+            goto done;
+        }
+        c->taps[i] = (int)json_integer_value(v);
+    }
+    if (c->hidden_size <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
+        c->n_heads % c->n_kv_heads != 0 || c->head_dim <= 0 || c->head_dim > 1024 || c->head_dim % 2 ||
+        c->intermediate_size <= 0 || c->block_size < 2)
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: inconsistent sizes (heads %d/%d, head_dim %d, "
+                                              "block_size %d)", c->n_heads, c->n_kv_heads, c->head_dim, c->block_size);
+done:
+    json_decref(root);
+    return st;
+}
+
+static df_tensor *take(df_drafter *d, const char *name, int ndim, int64_t d0, int64_t d1, df_error *err,
+                       df_status *st) {
+    df_tensor *t = df_tensors_take(d->ts, name);
+    if (!t) {
+        *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s is missing", name);
+        return NULL;
+    }
+    if (t->dtype != DF_DTYPE_BF16 && t->dtype != DF_DTYPE_F16 && t->dtype != DF_DTYPE_F32) {
+        *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has dtype %s; expected BF16, F16 or F32", name,
+                           df_dtype_name(t->dtype));
+        return NULL;
+    }
+    if (t->ndim != ndim || t->shape[0] != d0 || (ndim == 2 && t->shape[1] != d1)) {
+        if (ndim == 2)
+            *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has the wrong shape; expected [%lld, %lld]", name,
+                               (long long)d0, (long long)d1);
+        else
+            *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has the wrong shape; expected [%lld]", name,
+                               (long long)d0);
+        return NULL;
+    }
+    return t;
+}
+
+static int bind_dense(df_drafter *d, df_linear *L, const char *name, int rows, int cols, df_error *err,
+                      df_status *st) {
+    df_tensor *t = take(d, name, 2, rows, cols, err, st);
+    if (!t) return 0;
+    memset(L, 0, sizeof *L);
+    L->name = t->name;
+    L->rows = rows;
+    L->cols = cols;
+    L->wdtype = t->dtype;
+    L->w = t->data;
+    return 1;
+}
+
+static int bind_vec(df_drafter *d, df_vecf *v, const char *name, int n, df_error *err, df_status *st) {
+    df_tensor *t = take(d, name, 1, n, 0, err, st);
+    if (!t) return 0;
+    float *f = malloc((size_t)n * sizeof(float));
+    float **o = realloc(d->owned, (size_t)(d->n_owned + 1) * sizeof *o);
+    if (!f || !o) {
+        free(f);
+        if (o) d->owned = o;
+        *st = df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+        return 0;
+    }
+    d->owned = o;
+    d->owned[d->n_owned++] = f;
+    for (int i = 0; i < n; i++) {
+        if (t->dtype == DF_DTYPE_F32) f[i] = ((const float *)t->data)[i];
+        else if (t->dtype == DF_DTYPE_BF16) f[i] = df_bf16_to_f32(((const uint16_t *)t->data)[i]);
+        else f[i] = df_f16_to_f32(((const uint16_t *)t->data)[i]);
+    }
+    v->data = f;
+    v->n = n;
+    return 1;
+}
+
+df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_error *err) {
+    *out = NULL;
+    df_drafter *d = calloc(1, sizeof *d);
+    if (!d) return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+    d->eng = eng;
+    df_status st = parse_config(&d->cfg, dir, err);
+    if (st != DF_OK) goto fail;
+    const df_drafter_config *c = &d->cfg;
+    const df_text_config *tc = &eng->pack->cfg;
+    if (c->hidden_size != tc->hidden_size) {
+        st = df_error_set(err, DF_ERR_MODEL, "drafter hidden_size %d does not match the target's %d", c->hidden_size,
+                          tc->hidden_size);
+        goto fail;
+    }
+    for (int i = 0; i < c->n_taps; i++)
+        if (c->taps[i] < 0 || c->taps[i] >= tc->n_layers) {
+            st = df_error_set(err, DF_ERR_MODEL, "drafter target_layer_ids[%d] = %d is not a layer of the target (0..%d)",
+                              i, c->taps[i], tc->n_layers - 1);
+            goto fail;
+        }
+    if (c->mask_token_id < 0 || c->mask_token_id >= tc->vocab_size) {
+        st = df_error_set(err, DF_ERR_MODEL, "drafter mask_token_id %d is outside the target vocabulary (%d)",
+                          c->mask_token_id, tc->vocab_size);
+        goto fail;
+    }
+    st = df_tensors_open_dir(&d->ts, dir, err);
+    if (st != DF_OK) goto fail;
+    const int H = c->hidden_size, hd = c->head_dim, I = c->intermediate_size;
+    d->layers = calloc((size_t)c->n_layers, sizeof *d->layers);
+    if (!d->layers) {
+        st = df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+        goto fail;
+    }
+    if (!bind_dense(d, &d->fc, "fc.weight", H, c->n_taps * H, err, &st) ||
+        !bind_vec(d, &d->hidden_norm, "hidden_norm.weight", H, err, &st) ||
+        !bind_vec(d, &d->norm, "norm.weight", H, err, &st))
+        goto fail;
+    for (int l = 0; l < c->n_layers; l++) {
+        draft_layer *L = &d->layers[l];
+        char n[160];
+#define NAME(s) (snprintf(n, sizeof n, "layers.%d.%s", l, s), n)
+        if (!bind_vec(d, &L->in_norm, NAME("input_layernorm.weight"), H, err, &st) ||
+            !bind_vec(d, &L->post_norm, NAME("post_attention_layernorm.weight"), H, err, &st) ||
+            !bind_vec(d, &L->q_norm, NAME("self_attn.q_norm.weight"), hd, err, &st) ||
+            !bind_vec(d, &L->k_norm, NAME("self_attn.k_norm.weight"), hd, err, &st) ||
+            !bind_dense(d, &L->q, NAME("self_attn.q_proj.weight"), c->n_heads * hd, H, err, &st) ||
+            !bind_dense(d, &L->k, NAME("self_attn.k_proj.weight"), c->n_kv_heads * hd, H, err, &st) ||
+            !bind_dense(d, &L->v, NAME("self_attn.v_proj.weight"), c->n_kv_heads * hd, H, err, &st) ||
+            !bind_dense(d, &L->o, NAME("self_attn.o_proj.weight"), H, c->n_heads * hd, err, &st) ||
+            !bind_dense(d, &L->gate, NAME("mlp.gate_proj.weight"), I, H, err, &st) ||
+            !bind_dense(d, &L->up, NAME("mlp.up_proj.weight"), I, H, err, &st) ||
+            !bind_dense(d, &L->down, NAME("mlp.down_proj.weight"), H, I, err, &st))
+            goto fail;
+#undef NAME
+    }
+    for (size_t i = 0; i < df_tensors_count(d->ts); i++) {
+        df_tensor *t = df_tensors_at(d->ts, i);
+        if (!t->used) {
+            st = df_error_set(err, DF_ERR_MODEL, "drafter: unexpected tensor %s", t->name);
+            goto fail;
+        }
+    }
+    *out = d;
+    return DF_OK;
+fail:
+    df_drafter_free(d);
+    return st;
+}
+
+void df_drafter_free(df_drafter *d) {
+    if (!d) return;
+    for (int i = 0; i < d->n_owned; i++) free(d->owned[i]);
+    free(d->owned);
+    free(d->layers);
+    df_tensors_free(d->ts);
+    free(d);
+}
+
+const df_drafter_config *df_drafter_get_config(const df_drafter *d) { return &d->cfg; }
+
+/* ---- state ---------------------------------------------------------------------------------- */
+
+static df_backend *dbe(const df_drafter *d) { return d->eng->be; }
+
+df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, df_error *err) {
+    *out = NULL;
+    if (window < 1) return df_error_set(err, DF_ERR_INVALID_ARG, "draft window must be >= 1 (got %d)", window);
+    df_draft_state *s = calloc(1, sizeof *s);
+    if (!s) return df_error_set(err, DF_ERR_NOMEM, "drafter state: out of memory");
+    s->d = d;
+    s->window = window;
+    const df_drafter_config *c = &d->cfg;
+    df_backend *be = dbe(d);
+    const size_t R = DF_MAX_ROWS, H = (size_t)c->hidden_size, kv = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t wide = (size_t)c->intermediate_size;
+    if ((size_t)c->n_heads * (size_t)c->head_dim > wide) wide = (size_t)c->n_heads * (size_t)c->head_dim;
+    if ((size_t)c->n_taps * H > wide) wide = (size_t)c->n_taps * H;
+    s->k_cache = calloc((size_t)c->n_layers, sizeof(float *));
+    s->v_cache = calloc((size_t)c->n_layers, sizeof(float *));
+    if (!s->k_cache || !s->v_cache) goto oom;
+    for (int l = 0; l < c->n_layers; l++) {
+        s->k_cache[l] = be->ops->alloc(be, ((size_t)window + R) * kv * sizeof(float));
+        s->v_cache[l] = be->ops->alloc(be, ((size_t)window + R) * kv * sizeof(float));
+        if (!s->k_cache[l] || !s->v_cache[l]) goto oom;
+    }
+    float **bufs[] = {&s->x, &s->h, &s->y, &s->ctx};
+    for (size_t i = 0; i < 4; i++)
+        if (!(*bufs[i] = be->ops->alloc(be, R * H * sizeof(float)))) goto oom;
+    float **wbufs[] = {&s->t1, &s->t2, &s->t3, &s->tk, &s->tv};
+    for (size_t i = 0; i < 5; i++)
+        if (!(*wbufs[i] = be->ops->alloc(be, R * wide * sizeof(float)))) goto oom;
+    s->logits = be->ops->alloc(be, R * (size_t)d->eng->pack->cfg.vocab_size * sizeof(float));
+    if (!s->logits) goto oom;
+    *out = s;
+    return DF_OK;
+oom:
+    df_draft_state_free(s);
+    return df_error_set(err, DF_ERR_NOMEM, "drafter state: out of memory for a window of %d", window);
+}
+
+void df_draft_state_free(df_draft_state *s) {
+    if (!s) return;
+    df_backend *be = dbe(s->d);
+    for (int l = 0; l < s->d->cfg.n_layers; l++) {
+        if (s->k_cache) be->ops->dealloc(be, s->k_cache[l]);
+        if (s->v_cache) be->ops->dealloc(be, s->v_cache[l]);
+    }
+    free(s->k_cache);
+    free(s->v_cache);
+    float *bufs[] = {s->x, s->h, s->y, s->ctx, s->t1, s->t2, s->t3, s->tk, s->tv, s->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->dealloc(be, bufs[i]);
+    free(s);
+}
+
+void df_draft_state_reset(df_draft_state *s) { s->len = 0; }
+int df_draft_state_len(const df_draft_state *s) { return s->len; }
+
+static df_attn_shape attn_shape(const df_drafter_config *c, int causal) {
+    df_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                        .rot_dims = c->head_dim, .rope_theta = c->rope_theta, .eps = c->rms_norm_eps,
+                        .gated = 0, .causal = causal};
+    return sh;
+}
+
+df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int32_t first_pos, df_error *err) {
+    df_drafter *d = s->d;
+    const df_drafter_config *c = &d->cfg;
+    df_backend *be = dbe(d);
+    const df_backend_ops *op = be->ops;
+    const int H = c->hidden_size, F = c->n_taps * H;
+    const size_t kv = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    if (n > s->window) { /* only the last `window` rows can ever be attended */
+        feats += (size_t)(n - s->window) * (size_t)F;
+        first_pos += n - s->window;
+        n = s->window;
+    }
+    if (s->len + n > s->window) { /* drop the oldest rows */
+        int drop = s->len + n - s->window;
+        for (int l = 0; l < c->n_layers; l++) {
+            op->copy(be, s->k_cache[l], s->k_cache[l] + (size_t)drop * kv, (size_t)(s->len - drop) * kv * sizeof(float));
+            op->copy(be, s->v_cache[l], s->v_cache[l] + (size_t)drop * kv, (size_t)(s->len - drop) * kv * sizeof(float));
+        }
+        s->len -= drop;
+    }
+    const df_attn_shape sh = attn_shape(c, 0);
+    for (int i = 0; i < n; i += DF_MAX_ROWS) {
+        int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
+        int32_t pos[DF_MAX_ROWS];
+        for (int m = 0; m < M; m++) pos[m] = first_pos + i + m;
+        op->to_device(be, s->t1, feats + (size_t)i * (size_t)F, (size_t)M * (size_t)F * sizeof(float));
+        op->linear(be, &d->fc, s->t1, M, s->y);
+        op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
+        for (int l = 0; l < c->n_layers; l++) {
+            const draft_layer *L = &d->layers[l];
+            op->linear(be, &L->k, s->ctx, M, s->tk);
+            op->linear(be, &L->v, s->ctx, M, s->tv);
+            op->kv_append(be, &sh, s->tk, s->tv, L->k_norm.data, pos, M, s->k_cache[l], s->v_cache[l], s->len);
+        }
+        s->len += M;
+    }
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
+    }
+    return DF_OK;
+}
+
+df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
+                         float *logits, df_error *err) {
+    df_drafter *d = s->d;
+    const df_drafter_config *c = &d->cfg;
+    const df_pack *pk = d->eng->pack;
+    df_backend *be = dbe(d);
+    const df_backend_ops *op = be->ops;
+    const int H = c->hidden_size, V = pk->cfg.vocab_size;
+    if (B < 2 || B > DF_MAX_ROWS) return df_error_set(err, DF_ERR_INVALID_ARG, "draft block size %d outside 2..%d", B,
+                                                      DF_MAX_ROWS);
+    int32_t ids[DF_MAX_ROWS], pos[DF_MAX_ROWS];
+    for (int m = 0; m < B; m++) {
+        ids[m] = m == 0 ? bonus : c->mask_token_id;
+        pos[m] = p0 + m;
+    }
+    const df_attn_shape sh = attn_shape(c, 0);
+    const size_t BH = (size_t)B * (size_t)H;
+    op->embed(be, &pk->embed, ids, B, s->x);
+    for (int l = 0; l < c->n_layers; l++) {
+        const draft_layer *L = &d->layers[l];
+        op->rmsnorm(be, s->x, L->in_norm.data, B, H, c->rms_norm_eps, s->h);
+        op->linear(be, &L->q, s->h, B, s->t1);
+        op->linear(be, &L->k, s->h, B, s->tk);
+        op->linear(be, &L->v, s->h, B, s->tv);
+        /* block K/V go after the context (index s->len..) and are discarded afterwards */
+        op->attention(be, &sh, s->t1, s->tk, s->tv, L->q_norm.data, L->k_norm.data, pos, B, s->k_cache[l],
+                      s->v_cache[l], s->len, s->t2);
+        op->linear(be, &L->o, s->t2, B, s->y);
+        op->add(be, s->x, s->y, BH);
+        op->rmsnorm(be, s->x, L->post_norm.data, B, H, c->rms_norm_eps, s->h);
+        op->linear(be, &L->gate, s->h, B, s->t1);
+        op->linear(be, &L->up, s->h, B, s->t2);
+        op->swiglu(be, s->t1, s->t2, (size_t)B * (size_t)c->intermediate_size, s->t3);
+        op->linear(be, &L->down, s->t3, B, s->y);
+        op->add(be, s->x, s->y, BH);
+    }
+    op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
+    if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));
+    op->linear(be, &pk->lm_head, s->h + H, B - 1, s->logits);
+    float *lg = logits;
+    float *tmp = NULL;
+    if (!lg) {
+        tmp = malloc((size_t)(B - 1) * (size_t)V * sizeof(float));
+        if (!tmp) return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+        lg = tmp;
+    }
+    op->to_host(be, lg, s->logits, (size_t)(B - 1) * (size_t)V * sizeof(float));
+    for (int m = 0; m < B - 1; m++) drafts[m] = df_argmax(lg + (size_t)m * (size_t)V, V);
+    free(tmp);
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
+    }
+    return DF_OK;
+}
