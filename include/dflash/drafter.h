@@ -49,6 +49,9 @@ df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, d
 void df_draft_state_free(df_draft_state *st);
 /* Forgets the context. */
 void df_draft_state_reset(df_draft_state *st);
+/* The drafter and the window of a state. */
+df_drafter *df_draft_state_drafter(const df_draft_state *st);
+int df_draft_state_window(const df_draft_state *st);
 /* Context positions currently held (<= window). */
 int df_draft_state_len(const df_draft_state *st);
 

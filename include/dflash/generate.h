@@ -66,6 +66,8 @@ typedef struct df_gen_params {
     const char *stop[DF_MAX_STOP];    /* stop strings (not emitted) */
     int n_stop;
     int skip_special;                 /* drop special tokens from the text (default 1) */
+    int32_t stop_ids[DF_MAX_STOP];    /* extra token ids that end generation like EOS */
+    int n_stop_ids;
 } df_gen_params;
 
 df_gen_params df_gen_params_default(void);
@@ -83,6 +85,10 @@ typedef struct df_gen_result {
     df_finish_reason finish;
     double prompt_ms;     /* prefill wall time */
     double decode_ms;     /* wall time from the first decode to the end */
+    /* speculative decoding statistics (0 for plain decoding) */
+    int draft_rounds;     /* verify passes */
+    int draft_n;          /* drafted tokens proposed */
+    int draft_n_accepted; /* drafted tokens accepted (bonus tokens excluded) */
 } df_gen_result;
 
 void df_gen_result_free(df_gen_result *r);

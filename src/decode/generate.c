@@ -19,6 +19,13 @@ df_gen_params df_gen_params_default(void) {
     return p;
 }
 
+int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id) {
+    if (df_engine_is_eos(eng, id)) return 1;
+    for (int i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] == id) return 1;
+    return 0;
+}
+
 const char *df_finish_reason_name(df_finish_reason r) {
     switch (r) {
     case DF_FINISH_STOP: return "stop";
@@ -65,7 +72,7 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
         int32_t id = df_sampler_sample(&sm, logits, V);
-        st = df_textout_push(&out, id, df_engine_is_eos(eng, id), err);
+        st = df_textout_push(&out, id, df_gen_is_stop_id(eng, params, id), err);
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
         if (out.n_ids >= max_tokens) {
             out.finish = DF_FINISH_LENGTH;

@@ -37,4 +37,7 @@ void df_textout_finish(df_textout *o, df_gen_result *res);
 size_t df_utf8_sanitize(const unsigned char *src, size_t n, unsigned char pend[8], int *n_pend, int final,
                         char *dst);
 
+/* 1 if id ends generation: an EOS id of the pack or one of p->stop_ids. */
+int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id);
+
 #endif

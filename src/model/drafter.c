@@ -314,6 +314,8 @@ void df_draft_state_free(df_draft_state *s) {
 
 void df_draft_state_reset(df_draft_state *s) { s->len = 0; }
 int df_draft_state_len(const df_draft_state *s) { return s->len; }
+df_drafter *df_draft_state_drafter(const df_draft_state *s) { return s->d; }
+int df_draft_state_window(const df_draft_state *s) { return s->window; }
 
 static df_attn_shape attn_shape(const df_drafter_config *c, int causal) {
     df_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,

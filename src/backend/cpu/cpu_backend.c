@@ -1,9 +1,8 @@
 /* The CPU backend: every op of backend.h on host memory with a pthread pool.
  *
  * Arithmetic (the exactness contract of backend.h):
- * - dot products use dot8: eight lane accumulators over i ≡ lane (mod 8), combined as
- *   ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail in order. The order depends only on
- *   the length, so the compiler may vectorise it without changing a bit.
+ * - dot products use dot8 (below): lane accumulators in a fixed combination order that
+ *   depends only on the length, so the compiler may vectorise it without changing a bit.
  * - a quantized row is reduced group by group: y = Σ_g (s_g·dot(q_g, x_g) + b_g·Σx_g),
  *   groups in order; the weight codes of a group are decoded once and applied to all M rows.
  * - compiled with -ffp-contract=off (no implicit FMA), no fast-math.
@@ -13,6 +12,7 @@
  * - threads split output rows / heads / channels, never a reduction.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,23 +68,30 @@ static inline float half_at(df_dtype t, const void *p, size_t i) {
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* Σ a[i]·b[i] in the fixed dot8 order. */
+/* Σ a[i]·b[i] in the fixed "dot8" order: 32 lane accumulators over i ≡ lane (mod 32),
+ * combined lane-wise to 8 as l[j] = (l[j] + l[j+8]) + (l[j+16] + l[j+24]), then
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail (n mod 32) in order. The order is a
+ * function of n alone; four independent 8-wide chains keep the adds pipelined. */
 static inline float dot8(const float *a, const float *b, int n) {
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float l[32];
+    for (int j = 0; j < 32; j++) l[j] = 0.0f;
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) l[j] = l[j] + a[i + j] * b[i + j];
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; j++) l[j] = l[j] + a[i + j] * b[i + j];
+    for (int j = 0; j < 8; j++) l[j] = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
     float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
     for (; i < n; i++) s = s + a[i] * b[i];
     return s;
 }
 
-/* Σ a[i] in the fixed dot8 order. */
+/* Σ a[i] in the same order as dot8. */
 static inline float sum8(const float *a, int n) {
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float l[32];
+    for (int j = 0; j < 32; j++) l[j] = 0.0f;
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) l[j] = l[j] + a[i + j];
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; j++) l[j] = l[j] + a[i + j];
+    for (int j = 0; j < 8; j++) l[j] = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
     float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
     for (; i < n; i++) s = s + a[i];
     return s;
@@ -110,15 +117,35 @@ void df_hadamard_inplace(float *x, int n, int block) {
     }
 }
 
-/* Decodes n codes of `bits` bits starting at column c0 of a packed row into floats. */
+/* Byte -> codes lookup tables for 2- and 4-bit weights (lowest bits = first column). */
+static float lut2[256][4];
+static float lut4[256][2];
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
+static void lut_init(void) {
+    for (int b = 0; b < 256; b++) {
+        for (int i = 0; i < 4; i++) lut2[b][i] = (float)((b >> (2 * i)) & 3);
+        for (int i = 0; i < 2; i++) lut4[b][i] = (float)((b >> (4 * i)) & 15);
+    }
+}
+
+/* Decodes n codes of `bits` bits starting at column c0 of a packed row into floats
+ * (exact small integers). c0 and n are multiples of 32 for the table paths (group sizes
+ * are 32, 64 or 128). */
 static void decode_codes(const uint32_t *row, int bits, int c0, int n, float *out) {
-    if (bits == 2 || bits == 4 || bits == 8) {
-        const int per = 32 / bits;
-        const uint32_t mask = (1u << bits) - 1u;
-        for (int i = 0; i < n; i++) {
-            int c = c0 + i;
-            out[i] = (float)((row[c / per] >> ((c % per) * bits)) & mask);
-        }
+    const unsigned char *bytes = (const unsigned char *)row; /* little-endian words */
+    if (bits == 2 && c0 % 4 == 0 && n % 4 == 0) {
+        const unsigned char *p = bytes + c0 / 4;
+        for (int i = 0; i < n / 4; i++) memcpy(out + 4 * i, lut2[p[i]], 4 * sizeof(float));
+        return;
+    }
+    if (bits == 4 && c0 % 2 == 0 && n % 2 == 0) {
+        const unsigned char *p = bytes + c0 / 2;
+        for (int i = 0; i < n / 2; i++) memcpy(out + 2 * i, lut4[p[i]], 2 * sizeof(float));
+        return;
+    }
+    if (bits == 8) {
+        const unsigned char *p = bytes + c0;
+        for (int i = 0; i < n; i++) out[i] = (float)p[i];
         return;
     }
     const uint32_t mask = (1u << bits) - 1u;
@@ -575,6 +602,7 @@ df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err) 
         free(cb);
         return st;
     }
+    pthread_once(&lut_once, lut_init);
     cb->base.ops = &cpu_ops;
     cb->base.n_threads = n_threads;
     *out = &cb->base;

@@ -1,0 +1,259 @@
+/* Speculative decoding loop (include/dflash/speculative.h). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/threads.h"
+#include "decode/textout.h"
+#include "dflash/speculative.h"
+#include "model/target.h"
+
+df_spec_params df_spec_params_default(void) {
+    df_spec_params p;
+    memset(&p, 0, sizeof p);
+    p.block_min = 2;
+    p.block_max = DF_MAX_ROWS;
+    return p;
+}
+
+/* Per-round scratch: tap features, GDN snapshots and recorded projections. */
+typedef struct spec_ctx {
+    df_session *s;
+    const df_drafter_config *dc;
+    int H, F;               /* hidden, n_taps*hidden */
+    float *feats;           /* [DF_MAX_ROWS, F] host: tap outputs of the current tile */
+    int tap_index[256];     /* target layer -> tap slot (or -1); layers beyond 256 never tap */
+    /* GDN rollback, per layer (NULL for attention layers); backend memory */
+    float **snap_conv, **snap_ssm;
+    float **rec_qkv, **rec_z, **rec_a, **rec_b;
+    int recording;
+} spec_ctx;
+
+static void on_tap(void *user, int layer, const float *x, int M) {
+    spec_ctx *c = user;
+    if (layer >= 256 || c->tap_index[layer] < 0) return;
+    df_backend *be = c->s->be;
+    int slot = c->tap_index[layer];
+    for (int m = 0; m < M; m++)
+        be->ops->to_host(be, c->feats + (size_t)m * (size_t)c->F + (size_t)slot * (size_t)c->H,
+                         x + (size_t)m * (size_t)c->H, (size_t)c->H * sizeof(float));
+}
+
+static void on_gdn(void *user, int layer, const float *qkv, const float *z, const float *a, const float *b, int M) {
+    spec_ctx *c = user;
+    if (!c->recording) return;
+    df_backend *be = c->s->be;
+    const df_text_config *tc = &c->s->eng->pack->cfg;
+    const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim;
+    be->ops->copy(be, c->rec_qkv[layer], qkv, (size_t)M * (size_t)c->s->conv_ch * sizeof(float));
+    be->ops->copy(be, c->rec_z[layer], z, (size_t)M * Vd * sizeof(float));
+    be->ops->copy(be, c->rec_a[layer], a, (size_t)M * nv * sizeof(float));
+    be->ops->copy(be, c->rec_b[layer], b, (size_t)M * nv * sizeof(float));
+}
+
+static size_t conv_floats(const df_session *s) {
+    return (size_t)(s->eng->pack->cfg.conv_kernel - 1) * (size_t)s->conv_ch;
+}
+static size_t ssm_floats(const df_session *s) {
+    const df_text_config *c = &s->eng->pack->cfg;
+    return (size_t)c->lin_n_v_heads * (size_t)c->lin_k_head_dim * (size_t)c->lin_v_head_dim;
+}
+
+static void ctx_free(spec_ctx *c) {
+    const df_text_config *tc = &c->s->eng->pack->cfg;
+    df_backend *be = c->s->be;
+    float **arrs[] = {c->snap_conv, c->snap_ssm, c->rec_qkv, c->rec_z, c->rec_a, c->rec_b};
+    for (size_t i = 0; i < 6; i++) {
+        if (!arrs[i]) continue;
+        for (int l = 0; l < tc->n_layers; l++) be->ops->dealloc(be, arrs[i][l]);
+        free(arrs[i]);
+    }
+    free(c->feats);
+}
+
+static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *dc, df_error *err) {
+    memset(c, 0, sizeof *c);
+    c->s = s;
+    c->dc = dc;
+    const df_text_config *tc = &s->eng->pack->cfg;
+    df_backend *be = s->be;
+    c->H = tc->hidden_size;
+    c->F = dc->n_taps * c->H;
+    for (int i = 0; i < 256; i++) c->tap_index[i] = -1;
+    for (int i = 0; i < dc->n_taps; i++)
+        if (dc->taps[i] < 256) c->tap_index[dc->taps[i]] = i;
+    c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
+    const int L = tc->n_layers;
+    float ***arrs[] = {&c->snap_conv, &c->snap_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
+    for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
+    if (!c->feats || !c->snap_conv || !c->snap_ssm || !c->rec_qkv || !c->rec_z || !c->rec_a || !c->rec_b) goto oom;
+    const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim, R = DF_MAX_ROWS;
+    for (int l = 0; l < L; l++) {
+        if (tc->layer_kinds[l] != DF_LAYER_LINEAR_ATTENTION) continue;
+        c->snap_conv[l] = be->ops->alloc(be, conv_floats(s) * sizeof(float) + sizeof(float));
+        c->snap_ssm[l] = be->ops->alloc(be, ssm_floats(s) * sizeof(float));
+        c->rec_qkv[l] = be->ops->alloc(be, R * (size_t)s->conv_ch * sizeof(float));
+        c->rec_z[l] = be->ops->alloc(be, R * Vd * sizeof(float));
+        c->rec_a[l] = be->ops->alloc(be, R * nv * sizeof(float));
+        c->rec_b[l] = be->ops->alloc(be, R * nv * sizeof(float));
+        if (!c->snap_conv[l] || !c->snap_ssm[l] || !c->rec_qkv[l] || !c->rec_z[l] || !c->rec_a[l] || !c->rec_b[l])
+            goto oom;
+    }
+    return DF_OK;
+oom:
+    ctx_free(c);
+    return df_error_set(err, DF_ERR_NOMEM, "speculative decoding: out of memory for rollback buffers");
+}
+
+static void snapshot_gdn(spec_ctx *c) {
+    df_session *s = c->s;
+    const df_text_config *tc = &s->eng->pack->cfg;
+    for (int l = 0; l < tc->n_layers; l++) {
+        if (!c->snap_conv[l]) continue;
+        s->be->ops->copy(s->be, c->snap_conv[l], s->layer[l].conv_state, conv_floats(s) * sizeof(float));
+        s->be->ops->copy(s->be, c->snap_ssm[l], s->layer[l].ssm_state, ssm_floats(s) * sizeof(float));
+    }
+}
+
+/* Restores the start-of-round GDN states and replays rows 0..rows-1 of the verify pass. */
+static void rollback_gdn(spec_ctx *c, int rows) {
+    df_session *s = c->s;
+    const df_pack *pk = s->eng->pack;
+    const df_text_config *tc = &pk->cfg;
+    const df_gdn_shape gsh = {.n_k_heads = tc->lin_n_k_heads, .n_v_heads = tc->lin_n_v_heads,
+                              .k_head_dim = tc->lin_k_head_dim, .v_head_dim = tc->lin_v_head_dim,
+                              .conv_kernel = tc->conv_kernel, .eps = tc->rms_norm_eps};
+    for (int l = 0; l < tc->n_layers; l++) {
+        if (!c->snap_conv[l]) continue;
+        df_session_layer *sl = &s->layer[l];
+        const df_layer_weights *w = &pk->layers[l];
+        s->be->ops->copy(s->be, sl->conv_state, c->snap_conv[l], conv_floats(s) * sizeof(float));
+        s->be->ops->copy(s->be, sl->ssm_state, c->snap_ssm[l], ssm_floats(s) * sizeof(float));
+        s->be->ops->gdn(s->be, &gsh, c->rec_qkv[l], c->rec_z[l], c->rec_a[l], c->rec_b[l], w->conv1d.data,
+                        w->A_log.data, w->dt_bias.data, w->gdn_norm.data, rows, sl->conv_state, sl->ssm_state, NULL);
+    }
+}
+
+df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32_t *prompt, int n_prompt,
+                                  const df_gen_params *params, const df_spec_params *sp_in, df_gen_callback cb,
+                                  void *user, df_gen_result *res, df_error *err) {
+    memset(res, 0, sizeof *res);
+    res->n_prompt = n_prompt;
+    df_engine *eng = s->eng;
+    const int V = eng->pack->cfg.vocab_size;
+    const df_drafter_config *dc = df_drafter_get_config(df_draft_state_drafter(ds));
+    df_spec_params sp = sp_in ? *sp_in : df_spec_params_default();
+    if (params->sampling.temperature > 0.0f)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "speculative decoding serves greedy requests only");
+    if (sp.block == 0) sp.block = dc->block_size < DF_MAX_ROWS ? dc->block_size : DF_MAX_ROWS;
+    if (sp.block_min == 0) sp.block_min = 2;
+    if (sp.block_max == 0) sp.block_max = DF_MAX_ROWS;
+    if (sp.block < 2 || sp.block > DF_MAX_ROWS || sp.block_min < 2 || sp.block_max > DF_MAX_ROWS ||
+        sp.block_min > sp.block_max)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "draft block sizes must lie within 2..%d (block %d, range %d..%d)",
+                            DF_MAX_ROWS, sp.block, sp.block_min, sp.block_max);
+    if (n_prompt <= 0) return df_error_set(err, DF_ERR_INVALID_ARG, "empty prompt");
+    if (n_prompt >= s->max_ctx)
+        return df_error_set(err, DF_ERR_RANGE, "prompt of %d tokens does not fit the context of %d", n_prompt,
+                            s->max_ctx);
+    for (int i = 0; i < params->n_stop; i++)
+        if (!params->stop[i] || !params->stop[i][0])
+            return df_error_set(err, DF_ERR_INVALID_ARG, "stop string %d is empty", i);
+
+    spec_ctx c;
+    df_status st = ctx_init(&c, s, dc, err);
+    if (st != DF_OK) return st;
+    float *logits = malloc((size_t)DF_MAX_ROWS * (size_t)V * sizeof(float));
+    if (!logits) {
+        ctx_free(&c);
+        return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    }
+    df_textout out;
+    df_textout_init(&out, eng->tok, params, cb, user);
+    df_session_reset(s);
+    df_draft_state_reset(ds);
+    s->tap = on_tap;
+    s->tap_user = &c;
+    s->gdn_record = on_gdn;
+    s->gdn_record_user = &c;
+    const int window = df_draft_state_window(ds);
+
+    /* prefill, feeding the drafter the taps of the last `window` prompt rows */
+    double t0 = df_now_ms();
+    for (int i = 0; i < n_prompt && st == DF_OK; i += DF_MAX_ROWS) {
+        int M = n_prompt - i < DF_MAX_ROWS ? n_prompt - i : DF_MAX_ROWS;
+        int last = i + M == n_prompt;
+        st = df_target_forward_rows(s, prompt + i, M, last ? logits : NULL, M - 1, err);
+        if (st == DF_OK && i + M > n_prompt - window) {
+            int skip = n_prompt - window > i ? n_prompt - window - i : 0;
+            st = df_draft_add_context(ds, c.feats + (size_t)skip * (size_t)c.F, M - skip, i + skip, err);
+        }
+    }
+    double t1 = df_now_ms();
+    res->prompt_ms = t1 - t0;
+    int cap_tokens = s->max_ctx - n_prompt;
+    int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
+
+    int32_t bonus = 0;
+    if (st == DF_OK) {
+        bonus = df_argmax(logits, V);
+        st = df_textout_push(&out, bonus, df_gen_is_stop_id(eng, params, bonus), err);
+        if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
+    }
+    int B = sp.block;
+    while (st == DF_OK && out.finish == DF_FINISH_NONE) {
+        const int p0 = s->pos; /* position of the bonus token */
+        int Bv = B;
+        if (Bv > max_tokens - out.n_ids) Bv = max_tokens - out.n_ids; /* a round commits at most Bv tokens */
+        if (Bv > s->max_ctx - p0) Bv = s->max_ctx - p0;
+        int32_t rows[DF_MAX_ROWS];
+        rows[0] = bonus;
+        if (Bv >= 2) {
+            st = df_draft_block(ds, bonus, p0, Bv, rows + 1, NULL, NULL, err);
+            if (st != DF_OK) break;
+            if (sp.override) sp.override(sp.override_user, out.n_ids, bonus, Bv, rows + 1);
+            snapshot_gdn(&c);
+        } else {
+            Bv = 1; /* one token left: a plain decode step */
+        }
+        c.recording = Bv >= 2;
+        st = df_target_forward_rows(s, rows, Bv, logits, 0, err);
+        c.recording = 0;
+        if (st != DF_OK) break;
+        int32_t t[DF_MAX_ROWS];
+        for (int m = 0; m < Bv; m++) t[m] = df_argmax(logits + (size_t)m * (size_t)V, V);
+        int a = 0;
+        while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
+        if (Bv >= 2) {
+            res->draft_rounds++;
+            res->draft_n += Bv - 1;
+            res->draft_n_accepted += a;
+        }
+        /* commit d_1..d_a then t_a; stop tokens, stop strings and max_tokens cut the block */
+        for (int k = 1; k <= a + 1 && out.finish == DF_FINISH_NONE && st == DF_OK; k++) {
+            int32_t id = k <= a ? rows[k] : t[a];
+            st = df_textout_push(&out, id, df_gen_is_stop_id(eng, params, id), err);
+            if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
+        }
+        if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
+        /* roll back to the accepted rows 0..a */
+        s->pos = p0 + a + 1;
+        if (a + 1 < Bv) rollback_gdn(&c, a + 1);
+        st = df_draft_add_context(ds, c.feats, a + 1, p0, err);
+        bonus = t[a];
+        if (sp.adaptive && Bv >= 2) {
+            if (a == Bv - 1) B = B + 2 <= sp.block_max ? B + 2 : sp.block_max;
+            else if (2 * (a + 1) < Bv) B = B - 2 >= sp.block_min ? B - 2 : sp.block_min;
+        }
+    }
+    s->tap = NULL;
+    s->gdn_record = NULL;
+    res->decode_ms = df_now_ms() - t1;
+    int rounds = res->draft_rounds, dn = res->draft_n, da = res->draft_n_accepted;
+    df_textout_finish(&out, res);
+    res->draft_rounds = rounds;
+    res->draft_n = dn;
+    res->draft_n_accepted = da;
+    free(logits);
+    ctx_free(&c);
+    return st;
+}

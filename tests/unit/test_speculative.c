@@ -1,0 +1,246 @@
+/* Exactness suite: speculative greedy decoding == plain greedy decoding, token for token,
+ * over 50 prompts × block sizes {2, 4, 8, 16} × drafters that force every acceptance pattern
+ * (the real tiny-dflash drafter, and a replay of the plain output with chosen positions
+ * corrupted: all accepted, none accepted, each partial length), prompts crossing the
+ * drafter window, stop tokens and max_tokens inside a block, adaptive block sizes. */
+#include "support.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dflash/speculative.h"
+
+#define N_PROMPTS 50
+#define GEN 24
+
+static df_engine *g_eng;
+static df_drafter *g_drafter;
+static df_session *g_sess;
+static df_draft_state *g_ds;
+static int32_t g_prompts[N_PROMPTS][96];
+static int g_plen[N_PROMPTS];
+
+static int setup(void **state) {
+    (void)state;
+    df_error err = {0};
+    df_engine_options opt = {.n_threads = 2};
+    if (df_engine_load(&g_eng, tu_fixture("tiny-bonsai2"), &opt, &err) != DF_OK) return -1;
+    if (df_drafter_load(&g_drafter, tu_fixture("tiny-dflash"), g_eng, &err) != DF_OK) return -1;
+    if (df_session_init(&g_sess, g_eng, 512, &err) != DF_OK) return -1;
+    if (df_draft_state_init(&g_ds, g_drafter, 48, &err) != DF_OK) return -1;
+    uint64_t r = 12345;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        g_plen[i] = 1 + (i * 37) % 90;
+        for (int k = 0; k < g_plen[i]; k++) {
+            r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+            g_prompts[i][k] = (int32_t)((r >> 33) % 1984);
+        }
+    }
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    df_draft_state_free(g_ds);
+    df_session_free(g_sess);
+    df_drafter_free(g_drafter);
+    df_engine_free(g_eng);
+    return 0;
+}
+
+/* Replay drafter: proposes the plain output, with draft index `corrupt` (0-based within the
+ * block; -1 = none) replaced by a wrong token. */
+typedef struct replay {
+    const int32_t *plain;
+    int n_plain;
+    int corrupt;
+} replay;
+
+static void replay_propose(void *user, int n_generated, int32_t bonus, int B, int32_t *drafts) {
+    (void)bonus;
+    const replay *r = user;
+    for (int k = 0; k < B - 1; k++) {
+        int idx = n_generated + k;
+        int32_t v = idx < r->n_plain ? r->plain[idx] : 7;
+        if (k == r->corrupt) v = (v + 1) % 1984;
+        drafts[k] = v;
+    }
+}
+
+static void plain(const int32_t *p, int n, const df_gen_params *gp, df_gen_result *res) {
+    df_error err = {0};
+    if (df_generate(g_sess, p, n, gp, NULL, NULL, res, &err) != DF_OK) fail_msg("plain: %s", err.msg);
+}
+
+static void spec_check(const int32_t *p, int n, const df_gen_params *gp, const df_spec_params *sp,
+                       const df_gen_result *want, const char *what, int prompt) {
+    df_error err = {0};
+    df_gen_result got;
+    if (df_generate_speculative(g_sess, g_ds, p, n, gp, sp, NULL, NULL, &got, &err) != DF_OK)
+        fail_msg("speculative (%s, prompt %d): %s", what, prompt, err.msg);
+    if (got.n_ids != want->n_ids || memcmp(got.ids, want->ids, (size_t)got.n_ids * sizeof(int32_t)) != 0 ||
+        got.finish != want->finish || strcmp(got.text, want->text) != 0) {
+        int k = 0;
+        while (k < got.n_ids && k < want->n_ids && got.ids[k] == want->ids[k]) k++;
+        fail_msg("%s, prompt %d, block %d: speculative output differs from plain at token %d (n %d vs %d)", what,
+                 prompt, sp->block, k, got.n_ids, want->n_ids);
+    }
+    assert_true(got.draft_n_accepted <= got.draft_n);
+    df_gen_result_free(&got);
+}
+
+/* The sanitizer build (DFLASH_TEST_QUICK=1) runs every pattern on fewer prompts; the
+ * release build runs all 50. */
+static int n_prompts(void) {
+    const char *q = getenv("DFLASH_TEST_QUICK");
+    return q && *q == '1' ? 6 : N_PROMPTS;
+}
+
+static void test_exact_all_patterns(void **state) {
+    (void)state;
+    const int blocks[] = {2, 4, 8, 16};
+    long rounds = 0, drafted = 0, accepted = 0;
+    const int np = n_prompts();
+    for (int i = 0; i < np; i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = GEN;
+        df_gen_result want;
+        plain(g_prompts[i], g_plen[i], &gp, &want);
+        for (int b = 0; b < 4; b++) {
+            const int B = blocks[b];
+            df_spec_params sp = df_spec_params_default();
+            sp.block = B;
+            /* the real drafter */
+            spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "real drafter", i);
+            /* replay: all accepted, none accepted, one partial length (rotating over prompts) */
+            replay r = {.plain = want.ids, .n_plain = want.n_ids};
+            sp.override = replay_propose;
+            sp.override_user = &r;
+            const int corrupt[] = {-1, 0, B > 2 ? 1 + i % (B - 2) : 0};
+            const char *names[] = {"replay all accepted", "replay none accepted", "replay partial"};
+            for (int k = 0; k < 3; k++) {
+                r.corrupt = corrupt[k];
+                df_gen_result got;
+                df_error err = {0};
+                assert_int_equal(df_generate_speculative(g_sess, g_ds, g_prompts[i], g_plen[i], &gp, &sp, NULL, NULL,
+                                                         &got, &err),
+                                 DF_OK);
+                assert_int_equal(got.n_ids, want.n_ids);
+                assert_memory_equal(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t));
+                /* every draft accepted, but for the ones past the end of the plain output */
+                if (k == 0) assert_true(got.draft_n - got.draft_n_accepted < B);
+                if (k == 1) assert_int_equal(got.draft_n_accepted, 0);
+                if (k == 2 && B > 2 && got.draft_rounds > 1) assert_true(got.draft_n_accepted > 0);
+                rounds += got.draft_rounds;
+                drafted += got.draft_n;
+                accepted += got.draft_n_accepted;
+                (void)names;
+                df_gen_result_free(&got);
+            }
+        }
+        df_gen_result_free(&want);
+    }
+    printf("replay drafters: %ld rounds, %ld drafted, %ld accepted\n", rounds, drafted, accepted);
+}
+
+/* Every partial acceptance length 0..B-2 for B = 16 and 8 on a few prompts. */
+static void test_each_partial_length(void **state) {
+    (void)state;
+    const int blocks[] = {8, 16};
+    for (int i = 0; i < 3; i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = 40;
+        df_gen_result want;
+        plain(g_prompts[i + 10], g_plen[i + 10], &gp, &want);
+        for (int b = 0; b < 2; b++) {
+            for (int j = 0; j < blocks[b] - 1; j++) {
+                df_spec_params sp = df_spec_params_default();
+                sp.block = blocks[b];
+                replay r = {.plain = want.ids, .n_plain = want.n_ids, .corrupt = j};
+                sp.override = replay_propose;
+                sp.override_user = &r;
+                spec_check(g_prompts[i + 10], g_plen[i + 10], &gp, &sp, &want, "partial length", i + 10);
+            }
+        }
+        df_gen_result_free(&want);
+    }
+}
+
+/* Stop tokens and max_tokens that fall inside a block. */
+static void test_stops_inside_block(void **state) {
+    (void)state;
+    for (int i = 0; i < (n_prompts() < 12 ? 3 : 12); i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = GEN;
+        df_gen_result full;
+        plain(g_prompts[i], g_plen[i], &gp, &full);
+        /* a stop id taken from the middle of the plain output */
+        gp.stop_ids[0] = full.ids[5 + i % 9];
+        gp.n_stop_ids = 1;
+        df_gen_result want;
+        plain(g_prompts[i], g_plen[i], &gp, &want);
+        assert_int_equal(want.finish, DF_FINISH_STOP);
+        const int blocks[] = {4, 8, 16};
+        for (int b = 0; b < 3; b++) {
+            df_spec_params sp = df_spec_params_default();
+            sp.block = blocks[b];
+            replay r = {.plain = full.ids, .n_plain = full.n_ids, .corrupt = -1};
+            sp.override = replay_propose;
+            sp.override_user = &r;
+            spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "stop id in block", i);
+        }
+        df_gen_result_free(&want);
+        /* max_tokens inside a block */
+        gp.n_stop_ids = 0;
+        gp.max_tokens = 3 + i;
+        plain(g_prompts[i], g_plen[i], &gp, &want);
+        assert_int_equal(want.n_ids, 3 + i);
+        for (int b = 0; b < 3; b++) {
+            df_spec_params sp = df_spec_params_default();
+            sp.block = blocks[b];
+            replay r = {.plain = full.ids, .n_plain = full.n_ids, .corrupt = -1};
+            sp.override = replay_propose;
+            sp.override_user = &r;
+            spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "max_tokens in block", i);
+        }
+        df_gen_result_free(&want);
+        df_gen_result_free(&full);
+    }
+}
+
+/* Prompts longer than the drafter window (48) and generation crossing it; adaptive blocks. */
+static void test_window_and_adaptive(void **state) {
+    (void)state;
+    df_error err = {0};
+    int32_t longp[300];
+    for (int k = 0; k < 300; k++) longp[k] = g_prompts[k % N_PROMPTS][k % g_plen[k % N_PROMPTS]];
+    df_gen_params gp = df_gen_params_default();
+    gp.max_tokens = 60;
+    df_gen_result want;
+    plain(longp, 300, &gp, &want);
+    df_spec_params sp = df_spec_params_default();
+    sp.block = 8;
+    spec_check(longp, 300, &gp, &sp, &want, "long prompt, window 48", 0);
+    sp.adaptive = 1;
+    sp.block_min = 2;
+    sp.block_max = 16;
+    spec_check(longp, 300, &gp, &sp, &want, "adaptive", 0);
+    assert_true(df_draft_state_len(g_ds) <= 48);
+    /* a sampled request is refused */
+    gp.sampling.temperature = 0.7f;
+    df_gen_result got;
+    assert_int_equal(df_generate_speculative(g_sess, g_ds, longp, 10, &gp, &sp, NULL, NULL, &got, &err),
+                     DF_ERR_INVALID_ARG);
+    df_gen_result_free(&want);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_exact_all_patterns),
+        cmocka_unit_test(test_each_partial_length),
+        cmocka_unit_test(test_stops_inside_block),
+        cmocka_unit_test(test_window_and_adaptive),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
