@@ -2,11 +2,38 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "cli/cli.h"
+
+static const struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} commands[] = {
+    {"serve", cmd_serve, "serve the model over an OpenAI-compatible HTTP API"},
+    {"generate", cmd_generate, "generate text from a prompt (streams to stdout, or --json)"},
+    {"tokenize", cmd_tokenize, "encode text to token ids, or decode ids to text"},
+};
+#define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: dflash <command> [options]\n\ncommands:\n");
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "\n'dflash <command> --help' lists the command's options and their defaults.\n"
+               "With no --model, commands use $DFLASH_MODEL, else the embedded demo model (models/demo).\n");
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0) {
-        printf("usage: dflash <serve|generate|tokenize> [options]\n");
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) {
+        usage(stderr);
+        return CLI_EXIT_USAGE;
     }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return CLI_EXIT_OK;
+    }
+    for (int i = 0; i < N_COMMANDS; i++)
+        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 2, argv + 2);
     fprintf(stderr, "dflash: unknown command '%s'\n", argv[1]);
-    return 2;
+    usage(stderr);
+    return CLI_EXIT_USAGE;
 }

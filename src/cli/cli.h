@@ -1,0 +1,77 @@
+/* dflash command line: option tables, help text and helpers shared by the commands.
+ *
+ * Each command declares its options in a table (name, value kind, destination, default as
+ * shown, help); cli_parse fills the destinations from argv ("--name VALUE" or
+ * "--name=VALUE"), prints the help for --help, and rejects unknown options, missing or
+ * malformed values and out-of-range numbers with a message on stderr.
+ */
+#ifndef DFLASH_CLI_H
+#define DFLASH_CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Exit codes */
+#define CLI_EXIT_OK 0
+#define CLI_EXIT_FAIL 1     /* the command ran and failed (model not loadable, ...) */
+#define CLI_EXIT_USAGE 2    /* bad command line */
+
+typedef enum cli_kind {
+    CLI_STR,      /* const char ** */
+    CLI_INT,      /* int *, within [lo, hi] */
+    CLI_FLOAT,    /* float *, within [lo, hi] */
+    CLI_U64,      /* uint64_t * */
+    CLI_SIZE,     /* size_t *, within [lo, hi] */
+    CLI_FLAG,     /* int *, set to 1; takes no value */
+    CLI_LIST      /* cli_list *, repeatable */
+} cli_kind;
+
+typedef struct cli_list {
+    const char **items;
+    int n, max;
+} cli_list;
+
+typedef struct cli_opt {
+    const char *name;      /* without the dashes: "max-tokens" */
+    const char *metavar;   /* "N"; NULL for flags */
+    cli_kind kind;
+    void *dest;
+    const char *def;       /* the default, as --help shows it */
+    const char *help;
+    double lo, hi;         /* range of numbers (ignored when lo == hi == 0) */
+    int given;             /* set by cli_parse */
+} cli_opt;
+
+typedef struct cli_command {
+    const char *name;      /* "generate" */
+    const char *usage;     /* after "dflash generate " */
+    const char *summary;   /* one paragraph */
+    cli_opt *opts;
+    int n_opts;
+} cli_command;
+
+/* Parses argv[0..argc) (the command's arguments, without "dflash CMD").
+ * Returns -1 to go on, CLI_EXIT_OK after printing --help, CLI_EXIT_USAGE on an error. */
+int cli_parse(cli_command *cmd, int argc, char **argv);
+/* Prints a usage error for cmd to stderr and returns CLI_EXIT_USAGE. */
+int cli_usage_error(const cli_command *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The option named name (for .given). */
+cli_opt *cli_find(cli_command *cmd, const char *name);
+
+/* The model folder: `given` if non-NULL, else $DFLASH_MODEL, else the embedded demo model
+ * (<exe dir>/../models/demo, then <source dir>/models/demo). Prints an error and returns -1
+ * when there is none. */
+int cli_model_dir(const char *given, char *out, size_t cap);
+/* The public name of a model folder: its basename (after resolving "." and links). */
+void cli_model_id(const char *dir, char *out, size_t cap);
+/* Parses "1,2,3" into a malloc'd id array. Returns -1 (message on stderr) if malformed. */
+int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n);
+/* Prints `dflash CMD: message` to stderr. */
+void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The commands (argv without "dflash CMD"). */
+int cmd_generate(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_serve(int argc, char **argv);
+
+#endif

@@ -1,0 +1,178 @@
+/* dflash generate: one prompt in, generated text out (streamed, or one JSON object). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "cli/cli.h"
+#include "dflash/engine.h"
+#include "dflash/generate.h"
+
+static volatile sig_atomic_t interrupted;
+
+static void on_sigint(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
+typedef struct stream_ctx {
+    int print;          /* stream text to stdout */
+    size_t printed;     /* bytes written */
+    char last;          /* last byte written */
+} stream_ctx;
+
+static int on_text(void *user, int32_t id, const char *text, size_t len) {
+    (void)id;
+    stream_ctx *s = user;
+    if (s->print && len) {
+        fwrite(text, 1, len, stdout);
+        fflush(stdout);
+        s->printed += len;
+        s->last = text[len - 1];
+    }
+    return interrupted != 0;
+}
+
+static json_t *id_array(const int32_t *ids, size_t n) {
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++) json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
+static int print_json(const int32_t *prompt, size_t n_prompt, const df_gen_result *res) {
+    json_t *text = json_stringn(res->text ? res->text : "", res->text_len);
+    if (!text) {
+        fprintf(stderr, "dflash generate: the generated text is not valid UTF-8\n");
+        return CLI_EXIT_FAIL;
+    }
+    json_t *o = json_pack("{s:o, s:o, s:o, s:s, s:f, s:f}", "prompt_ids", id_array(prompt, n_prompt), "ids",
+                          id_array(res->ids, (size_t)res->n_ids), "text", text, "finish_reason",
+                          df_finish_reason_name(res->finish), "prompt_ms", res->prompt_ms, "decode_ms",
+                          res->decode_ms);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s) {
+        fprintf(stderr, "dflash generate: out of memory\n");
+        return CLI_EXIT_FAIL;
+    }
+    puts(s);
+    free(s);
+    return CLI_EXIT_OK;
+}
+
+int cmd_generate(int argc, char **argv) {
+    const char *model = NULL, *prompt = NULL, *chat = NULL, *prompt_ids = NULL;
+    df_sampling_params sp = df_sampling_default();
+    int max_tokens = 256, threads = 0, json = 0;
+    const char *stops[DF_MAX_STOP];
+    cli_list stop = {stops, 0, DF_MAX_STOP};
+    cli_opt opts[] = {
+        {"model", "DIR", CLI_STR, &model, "$DFLASH_MODEL, else the embedded demo model", "model pack folder", 0, 0, 0},
+        {"prompt", "TEXT", CLI_STR, &prompt, "none", "raw prompt; special tokens like <|im_start|> are recognised", 0, 0, 0},
+        {"chat", "TEXT", CLI_STR, &chat, "none", "a user message, wrapped in ChatML with thinking off", 0, 0, 0},
+        {"prompt-ids", "IDS", CLI_STR, &prompt_ids, "none", "prompt as comma-separated token ids (1,2,3)", 0, 0, 0},
+        {"temperature", "F", CLI_FLOAT, &sp.temperature, "0 (greedy)", "sampling temperature, 0 = greedy", 0, 2, 0},
+        {"top-p", "F", CLI_FLOAT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass", 1e-6, 1, 0},
+        {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 = off", 0, 1 << 30, 0},
+        {"min-p", "F", CLI_FLOAT, &sp.min_p, "the pack's generation_config.json, else 0 (off)", "drop tokens below F x the top probability", 0, 1, 0},
+        {"seed", "N", CLI_U64, &sp.seed, "from the clock", "random seed (same seed, same output)", 0, 0, 0},
+        {"max-tokens", "N", CLI_INT, &max_tokens, "256", "most tokens to generate, 0 = until the context is full", 0, 1 << 30, 0},
+        {"stop", "S", CLI_LIST, &stop, "none", "stop string, not printed (up to 16)", 0, 0, 0},
+        {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
+        {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason} instead of streaming", 0, 0, 0},
+    };
+    cli_command cmd = {"generate", "(--prompt TEXT | --chat TEXT | --prompt-ids IDS) [options]",
+                       "Generates a continuation of a prompt and streams it to stdout (statistics go to stderr).",
+                       opts, (int)(sizeof opts / sizeof opts[0])};
+    int rc = cli_parse(&cmd, argc, argv);
+    if (rc >= 0) return rc;
+    if (!!prompt + !!chat + !!prompt_ids != 1)
+        return cli_usage_error(&cmd, "give exactly one of --prompt, --chat and --prompt-ids");
+
+    char dir[4096];
+    if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    if (prompt_ids && cli_parse_ids("--prompt-ids", prompt_ids, &ids, &n_ids)) return CLI_EXIT_USAGE;
+
+    df_error err = {0};
+    df_engine *eng = NULL;
+    df_session *sess = NULL;
+    char *rendered = NULL;
+    df_gen_result res;
+    memset(&res, 0, sizeof res);
+    rc = CLI_EXIT_FAIL;
+    df_engine_options eo = {.n_threads = threads};
+    if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {
+        cli_error("generate", "%s", err.msg);
+        goto done;
+    }
+    if (!ids) {
+        const char *text = prompt;
+        if (chat) {
+            const char *role = "user";
+            text = rendered = df_chatml_render(&role, &chat, 1, 0);
+            if (!rendered) {
+                cli_error("generate", "out of memory");
+                goto done;
+            }
+        }
+        if (df_tokenizer_encode(df_engine_tokenizer(eng), text, strlen(text), 1, &ids, &n_ids, &err) != DF_OK) {
+            cli_error("generate", "%s", err.msg);
+            goto done;
+        }
+    }
+
+    /* Fields not given take the pack's defaults; the temperature stays 0 unless given. */
+    const df_generation_defaults *gd = &df_engine_pack(eng)->gen;
+    if (!cli_find(&cmd, "top-p")->given && gd->has_top_p) sp.top_p = gd->top_p;
+    if (!cli_find(&cmd, "top-k")->given && gd->has_top_k) sp.top_k = gd->top_k;
+    if (!cli_find(&cmd, "min-p")->given && gd->has_min_p) sp.min_p = gd->min_p;
+    sp.has_seed = cli_find(&cmd, "seed")->given;
+
+    /* A session just large enough for the prompt and the tokens asked for. */
+    int ctx = 0;
+    long long need = (long long)n_ids + max_tokens;
+    if (max_tokens > 0 && need <= df_engine_pack(eng)->cfg.max_position_embeddings && need <= 32768) ctx = (int)need;
+    if (df_session_init(&sess, eng, ctx, &err) != DF_OK) {
+        cli_error("generate", "%s", err.msg);
+        goto done;
+    }
+    df_gen_params gp = df_gen_params_default();
+    gp.sampling = sp;
+    gp.max_tokens = max_tokens;
+    for (int i = 0; i < stop.n; i++) gp.stop[i] = stop.items[i];
+    gp.n_stop = stop.n;
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
+    stream_ctx sc = {!json, 0, '\n'};
+    if (df_generate(sess, ids, (int)n_ids, &gp, on_text, &sc, &res, &err) != DF_OK) {
+        if (sc.printed && sc.last != '\n') putchar('\n');
+        cli_error("generate", "%s", err.msg);
+        goto done;
+    }
+    if (json) {
+        rc = print_json(ids, n_ids, &res);
+    } else {
+        if (sc.printed && sc.last != '\n') putchar('\n');
+        fflush(stdout);
+        double pms = res.prompt_ms, dms = res.decode_ms;
+        fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s\n",
+                res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
+                dms > 0 ? res.n_ids * 1e3 / dms : 0.0, df_finish_reason_name(res.finish));
+        rc = CLI_EXIT_OK;
+    }
+    if (res.finish == DF_FINISH_CANCELLED) rc = 130;
+done:
+    df_gen_result_free(&res);
+    free(rendered);
+    free(ids);
+    df_session_free(sess);
+    df_engine_free(eng);
+    return rc;
+}

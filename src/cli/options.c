@@ -1,0 +1,233 @@
+/* dflash command line: option parsing, --help, model folder resolution (see cli.h). */
+#include "cli/cli.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void cli_error(const char *cmd, const char *fmt, ...) {
+    fprintf(stderr, "dflash %s: ", cmd);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
+    fprintf(stderr, "dflash %s: ", cmd->name);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\nusage: dflash %s %s\n(see 'dflash %s --help')\n", cmd->name, cmd->usage, cmd->name);
+    return CLI_EXIT_USAGE;
+}
+
+cli_opt *cli_find(cli_command *cmd, const char *name) {
+    for (int i = 0; i < cmd->n_opts; i++)
+        if (strcmp(cmd->opts[i].name, name) == 0) return &cmd->opts[i];
+    return NULL;
+}
+
+static void print_help(const cli_command *cmd) {
+    printf("usage: dflash %s %s\n\n%s\n\noptions:\n", cmd->name, cmd->usage, cmd->summary);
+    for (int i = 0; i <= cmd->n_opts; i++) {
+        const cli_opt *o = i < cmd->n_opts ? &cmd->opts[i] : NULL;
+        char left[64];
+        snprintf(left, sizeof left, "--%s%s%s", o ? o->name : "help", o && o->metavar ? " " : "",
+                 o && o->metavar ? o->metavar : "");
+        printf("  %-22s %s", left, o ? o->help : "show this help and exit");
+        if (o && o->kind == CLI_LIST) printf(" (repeatable)");
+        if (o) printf(" (default: %s)", o->def);
+        putchar('\n');
+    }
+}
+
+static int bad_value(const cli_command *cmd, const cli_opt *o, const char *v, const char *why) {
+    return cli_usage_error(cmd, "invalid value '%s' for --%s: %s", v, o->name, why);
+}
+
+static int in_range(const cli_opt *o, double x) { return (o->lo == 0 && o->hi == 0) || (x >= o->lo && x <= o->hi); }
+
+static int range_error(const cli_command *cmd, const cli_opt *o, const char *v) {
+    char why[96];
+    snprintf(why, sizeof why, "expected a number from %g to %g", o->lo, o->hi);
+    return bad_value(cmd, o, v, why);
+}
+
+/* Stores value v into o's destination; returns 0 or CLI_EXIT_USAGE. */
+static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
+    char *end = NULL;
+    errno = 0;
+    switch (o->kind) {
+    case CLI_STR:
+        *(const char **)o->dest = v;
+        return 0;
+    case CLI_LIST: {
+        cli_list *l = o->dest;
+        if (l->n >= l->max) {
+            char why[64];
+            snprintf(why, sizeof why, "at most %d may be given", l->max);
+            return bad_value(cmd, o, v, why);
+        }
+        l->items[l->n++] = v;
+        return 0;
+    }
+    case CLI_INT:
+    case CLI_SIZE: {
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end) return bad_value(cmd, o, v, "expected an integer");
+        if (!in_range(o, (double)x)) return range_error(cmd, o, v);
+        if (o->kind == CLI_INT) {
+            if (x < INT_MIN || x > INT_MAX) return bad_value(cmd, o, v, "out of range");
+            *(int *)o->dest = (int)x;
+        } else {
+            if (x < 0) return bad_value(cmd, o, v, "expected a non-negative integer");
+            *(size_t *)o->dest = (size_t)x;
+        }
+        return 0;
+    }
+    case CLI_U64: {
+        if (v[0] == '-') return bad_value(cmd, o, v, "expected a non-negative integer");
+        unsigned long long x = strtoull(v, &end, 10);
+        if (errno || end == v || *end) return bad_value(cmd, o, v, "expected a non-negative integer");
+        *(uint64_t *)o->dest = (uint64_t)x;
+        return 0;
+    }
+    case CLI_FLOAT: {
+        double x = strtod(v, &end);
+        if (errno || end == v || *end || !isfinite(x)) return bad_value(cmd, o, v, "expected a number");
+        if (!in_range(o, x)) return range_error(cmd, o, v);
+        *(float *)o->dest = (float)x;
+        return 0;
+    }
+    case CLI_FLAG:
+        *(int *)o->dest = 1;
+        return 0;
+    }
+    return CLI_EXIT_USAGE;
+}
+
+int cli_parse(cli_command *cmd, int argc, char **argv) {
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            print_help(cmd);
+            return CLI_EXIT_OK;
+        }
+    }
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0 || !a[2]) return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
+        cli_opt *o = NULL;
+        for (int k = 0; k < cmd->n_opts && !o; k++)
+            if (strlen(cmd->opts[k].name) == nlen && strncmp(cmd->opts[k].name, name, nlen) == 0) o = &cmd->opts[k];
+        if (!o) return cli_usage_error(cmd, "unknown option '%.*s'", (int)(nlen + 2), a);
+        const char *v = NULL;
+        if (o->kind == CLI_FLAG) {
+            if (eq) return cli_usage_error(cmd, "option --%s takes no value", o->name);
+        } else if (eq) {
+            v = eq + 1;
+        } else {
+            if (i + 1 >= argc) return cli_usage_error(cmd, "option --%s needs a value (%s)", o->name, o->metavar);
+            v = argv[++i];
+        }
+        if (o->given && o->kind != CLI_LIST) return cli_usage_error(cmd, "option --%s given twice", o->name);
+        int rc = set_value(cmd, o, v);
+        if (rc) return rc;
+        o->given = 1;
+    }
+    return -1;
+}
+
+/* ---- model folder ---------------------------------------------------------------------- */
+
+static int is_model_dir(const char *dir) {
+    char path[PATH_MAX];
+    struct stat st;
+    if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path) return 0;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+int cli_model_dir(const char *given, char *out, size_t cap) {
+    const char *env = getenv("DFLASH_MODEL");
+    const char *chosen = given ? given : (env && env[0] ? env : NULL);
+    if (chosen) {
+        if (snprintf(out, cap, "%s", chosen) >= (int)cap) {
+            fprintf(stderr, "dflash: model path too long\n");
+            return -1;
+        }
+        return 0;
+    }
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = 0;
+            if (snprintf(out, cap, "%s/../models/demo", exe) < (int)cap && is_model_dir(out)) return 0;
+        }
+    }
+#ifdef DFLASH_SOURCE_DIR
+    if (snprintf(out, cap, "%s/models/demo", DFLASH_SOURCE_DIR) < (int)cap && is_model_dir(out)) return 0;
+#endif
+    fprintf(stderr, "dflash: no model given and the embedded demo model (models/demo) was not found; "
+                    "use --model DIR or set DFLASH_MODEL\n");
+    return -1;
+}
+
+void cli_model_id(const char *dir, char *out, size_t cap) {
+    char *real = realpath(dir, NULL);
+    const char *p = real ? real : dir;
+    size_t n = strlen(p);
+    while (n > 1 && p[n - 1] == '/') n--;
+    size_t start = n;
+    while (start > 0 && p[start - 1] != '/') start--;
+    snprintf(out, cap, "%.*s", (int)(n - start), p + start);
+    if (!out[0]) snprintf(out, cap, "model");
+    free(real);
+}
+
+int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
+    size_t cap = 1;
+    for (const char *p = s; *p; p++) cap += *p == ',';
+    int32_t *v = malloc(cap * sizeof *v);
+    if (!v) return -1;
+    size_t k = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',')) {
+            fprintf(stderr, "dflash: %s: expected comma-separated token ids (like 1,2,3), got '%s'\n", what, s);
+            free(v);
+            return -1;
+        }
+        v[k++] = (int32_t)x;
+        p = *end ? end + 1 : end;
+        if (*end == ',' && !*p) {
+            fprintf(stderr, "dflash: %s: trailing comma in '%s'\n", what, s);
+            free(v);
+            return -1;
+        }
+    }
+    if (k == 0) {
+        fprintf(stderr, "dflash: %s: no token ids given\n", what);
+        free(v);
+        return -1;
+    }
+    *ids = v;
+    *n = k;
+    return 0;
+}

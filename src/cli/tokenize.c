@@ -1,0 +1,72 @@
+/* dflash tokenize: text to token ids (a JSON array), or ids back to text. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "dflash/tokenizer.h"
+
+int cmd_tokenize(int argc, char **argv) {
+    const char *model = NULL, *tokenizer = NULL, *text = NULL, *decode = NULL;
+    int skip_special = 0;
+    cli_opt opts[] = {
+        {"model", "DIR", CLI_STR, &model, "$DFLASH_MODEL, else the embedded demo model", "model pack folder (its tokenizer.json)", 0, 0, 0},
+        {"tokenizer", "FILE", CLI_STR, &tokenizer, "none", "a tokenizer.json file, instead of --model", 0, 0, 0},
+        {"text", "TEXT", CLI_STR, &text, "none", "text to encode (special tokens recognised); prints a JSON array of ids", 0, 0, 0},
+        {"decode", "IDS", CLI_STR, &decode, "none", "comma-separated ids to decode; prints the text", 0, 0, 0},
+        {"skip-special", NULL, CLI_FLAG, &skip_special, "off", "with --decode: drop special tokens", 0, 0, 0},
+    };
+    cli_command cmd = {"tokenize", "[--model DIR | --tokenizer FILE] (--text TEXT | --decode IDS) [options]",
+                       "Encodes text with the model's tokenizer, or decodes token ids.", opts,
+                       (int)(sizeof opts / sizeof opts[0])};
+    int rc = cli_parse(&cmd, argc, argv);
+    if (rc >= 0) return rc;
+    if (!!text + !!decode != 1) return cli_usage_error(&cmd, "give exactly one of --text and --decode");
+    if (model && tokenizer) return cli_usage_error(&cmd, "give --model or --tokenizer, not both");
+
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (decode && cli_parse_ids("--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
+    char path[4096];
+    if (tokenizer) {
+        snprintf(path, sizeof path, "%s", tokenizer);
+    } else {
+        char dir[4000];
+        if (cli_model_dir(model, dir, sizeof dir)) {
+            free(ids);
+            return CLI_EXIT_FAIL;
+        }
+        snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    }
+    df_error err = {0};
+    df_tokenizer *tok = NULL;
+    rc = CLI_EXIT_FAIL;
+    if (df_tokenizer_load(&tok, path, &err) != DF_OK) {
+        cli_error("tokenize", "%s", err.msg);
+        goto done;
+    }
+    if (text) {
+        if (df_tokenizer_encode(tok, text, strlen(text), 1, &ids, &n, &err) != DF_OK) {
+            cli_error("tokenize", "%s", err.msg);
+            goto done;
+        }
+        putchar('[');
+        for (size_t i = 0; i < n; i++) printf("%s%d", i ? "," : "", (int)ids[i]);
+        puts("]");
+    } else {
+        char *out = NULL;
+        size_t len = 0;
+        if (df_tokenizer_decode(tok, ids, n, skip_special, &out, &len, &err) != DF_OK) {
+            cli_error("tokenize", "%s", err.msg);
+            goto done;
+        }
+        fwrite(out, 1, len, stdout);
+        putchar('\n');
+        free(out);
+    }
+    rc = CLI_EXIT_OK;
+done:
+    free(ids);
+    df_tokenizer_free(tok);
+    return rc;
+}

@@ -1,0 +1,163 @@
+"""End-to-end fixtures: the real `dflash` binary, run as a server on a free port.
+
+Environment (set by CTest):
+  DFLASH_BIN         the dflash executable (default: <source>/build/dflash)
+  DFLASH_SOURCE_DIR  the source tree (default: two levels above this file)
+  DFLASH_FIXTURES    the decompressed test fixtures (for DFLASH_E2E_MODEL=tiny-bonsai2)
+  DFLASH_E2E_MODEL   "demo" (default: the embedded demo model, found with no --model),
+                     "tiny-bonsai2" (the fixture pack) or a pack folder
+"""
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+import requests
+
+SOURCE_DIR = pathlib.Path(os.environ.get("DFLASH_SOURCE_DIR") or pathlib.Path(__file__).resolve().parents[2])
+DFLASH_BIN = os.environ.get("DFLASH_BIN") or str(SOURCE_DIR / "build" / "dflash")
+STARTUP_TIMEOUT_S = 120
+
+
+def model_dir():
+    """The pack the tests run on, or None for the embedded demo model (no --model)."""
+    choice = os.environ.get("DFLASH_E2E_MODEL", "demo")
+    if choice == "demo":
+        return None
+    if choice == "tiny-bonsai2":
+        fixtures = os.environ.get("DFLASH_FIXTURES") or str(SOURCE_DIR / "tests" / "fixtures")
+        return str(pathlib.Path(fixtures) / "tiny-bonsai2")
+    return choice
+
+
+def model_args():
+    d = model_dir()
+    return ["--model", d] if d else []
+
+
+def base_env():
+    """The environment for the binary: no DFLASH_MODEL / DFLASH_API_KEY from the caller."""
+    env = dict(os.environ)
+    env.pop("DFLASH_MODEL", None)
+    env.pop("DFLASH_API_KEY", None)
+    return env
+
+
+def run_cli(*args, env=None, timeout=300, check=False):
+    """Runs `dflash ARGS...`; returns the CompletedProcess (text mode)."""
+    p = subprocess.run([DFLASH_BIN, *args], capture_output=True, text=True, timeout=timeout,
+                       env=env if env is not None else base_env())
+    if check and p.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(args)} exited {p.returncode}:\n{p.stderr}")
+    return p
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `dflash serve` process on a free port, its stderr in a log file."""
+
+    def __init__(self, *extra, env=None):
+        self.extra = list(extra)
+        self.env = env if env is not None else base_env()
+        self.log = tempfile.NamedTemporaryFile(prefix="dflash-serve-", suffix=".log", delete=False)
+        self.proc = None
+        for _ in range(5):   # a free port can be taken between the probe and the bind
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.proc = subprocess.Popen(
+                [DFLASH_BIN, "serve", "--port", str(self.port), *model_args(), *self.extra],
+                stdout=subprocess.DEVNULL, stderr=self.log, env=self.env)
+            if self._wait_ready():
+                return
+            if "cannot listen" not in self.log_text():
+                break
+        raise RuntimeError(f"dflash serve did not start:\n{self.log_text()}")
+
+    def _wait_ready(self):
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        self.proc.wait()
+        return False
+
+    def log_text(self):
+        with open(self.log.name, "r", errors="replace") as f:
+            return f.read()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout=60):
+        """Stops the server with sig; returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("dflash serve did not stop within %ds" % timeout)
+        return self.proc.returncode
+
+    def close(self):
+        try:
+            self.stop()
+        finally:
+            os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server()
+    yield s
+    status = s.stop()
+    log = s.log_text()
+    s.close()
+    assert status == 0, f"dflash serve exited {status} on SIGTERM:\n{log}"
+    assert "stopped" in log
+
+
+@pytest.fixture(scope="session")
+def model_id(server):
+    return requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="session")
+def chat(server, model_id):
+    """chat(messages or text, **fields) -> (status, json body, headers)."""
+    def call(messages, **fields):
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        body = {"model": model_id, "messages": messages, **fields}
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        return r.status_code, r.json(), r.headers
+    return call
+
+
+def chatml(*turns):
+    """The plain ChatML prompt the server renders (thinking off)."""
+    s = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    return s + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def tokenize(text):
+    p = run_cli("tokenize", *model_args(), "--text", text, check=True)
+    return json.loads(p.stdout)
