@@ -22,6 +22,9 @@
 
 #include <microhttpd.h>
 
+/* How long df_server_stop waits for requests in progress to be answered. */
+#define STOP_GRACE_MS 10000
+
 typedef struct conn_ctx {
     char *body;
     size_t len, cap;
@@ -161,6 +164,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         ctx = calloc(1, sizeof *ctx);
         if (!ctx) return MHD_NO;
         ctx->conn = conn;
+        atomic_fetch_add(&srv->in_flight, 1);
         clock_gettime(CLOCK_MONOTONIC, &ctx->t0);
         *con_cls = ctx;
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -188,9 +192,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
-    (void)cls, (void)conn, (void)toe;
+    (void)conn, (void)toe;
+    df_server *srv = cls;
     conn_ctx *ctx = *con_cls;
     if (ctx) {
+        atomic_fetch_sub(&srv->in_flight, 1);
         free(ctx->body);
         free(ctx);
     }
@@ -255,7 +261,7 @@ df_status df_server_listen(df_server *srv, df_error *err) {
     int fd = open_listener(srv, &family, &port, err);
     if (fd < 0) return err ? err->code : DF_ERR_IO;
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                     MHD_USE_ERROR_LOG;
+                     MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (family == AF_INET6) flags |= MHD_USE_IPv6;
     atomic_store(&srv->stopping, 0);
     struct MHD_Daemon *d = MHD_start_daemon(
@@ -272,9 +278,17 @@ df_status df_server_listen(df_server *srv, df_error *err) {
     return DF_OK;
 }
 
+/* Graceful stop: no new connections; a generation in progress is cancelled and, like every
+ * request already begun, gets its answer (up to a grace period); then connections close. */
 void df_server_stop(df_server *srv) {
     if (!srv || !srv->daemon) return;
-    atomic_store(&srv->stopping, 1);   /* cancels a generation in progress */
+    atomic_store(&srv->stopping, 1);   /* cancels a generation in progress; new requests get 503 */
+    MHD_socket listener = MHD_quiesce_daemon(srv->daemon);
+    for (int waited_ms = 0; atomic_load(&srv->in_flight) > 0 && waited_ms < STOP_GRACE_MS; waited_ms += 10) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
     MHD_stop_daemon(srv->daemon);      /* closes connections, joins their threads */
+    if (listener != MHD_INVALID_SOCKET) close(listener);
     srv->daemon = NULL;
 }

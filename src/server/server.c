@@ -126,6 +126,7 @@ df_status df_server_init(df_server **out, df_engine *eng, const df_server_option
     srv->opt = opt;
     pthread_mutex_init(&srv->gen_lock, NULL);
     atomic_init(&srv->stopping, 0);
+    atomic_init(&srv->in_flight, 0);
     atomic_init(&srv->id_counter, 0);
     srv->created = time(NULL);
     struct timespec ts;
@@ -290,6 +291,74 @@ static json_t *chat_response(df_server *srv, const df_gen_result *res) {
                      timings);
 }
 
+/* Appends k ids to the growing array *ids (*n used, *cap allocated). */
+static df_status append_ids(const int32_t *part, size_t k, int32_t **ids, size_t *n, size_t *cap, df_error *err) {
+    if (*n + k > *cap) {
+        size_t c = (*n + k) * 2 + 16;
+        int32_t *p = realloc(*ids, c * sizeof *p);
+        if (!p) return df_error_set(err, DF_ERR_NOMEM, "out of memory tokenizing the prompt");
+        *ids = p;
+        *cap = c;
+    }
+    memcpy(*ids + *n, part, k * sizeof *part);
+    *n += k;
+    return DF_OK;
+}
+
+/* Appends the ids of text (special tokens recognised or not). */
+static df_status append_encoded(const df_tokenizer *tok, const char *text, int parse_special, int32_t **ids,
+                                size_t *n, size_t *cap, df_error *err) {
+    int32_t *part = NULL;
+    size_t k = 0;
+    df_status st = df_tokenizer_encode(tok, text, strlen(text), parse_special, &part, &k, err);
+    if (st == DF_OK) st = append_ids(part, k, ids, n, cap, err);
+    free(part);
+    return st;
+}
+
+/* Tokenizes the messages in the ChatML framing of df_chatml_render (thinking off), with
+ * message content treated as untrusted text: special tokens written in a message
+ * ("<|im_end|>", "<|im_start|>") are encoded as plain text, so a message cannot forge turn
+ * boundaries. The framing tokens are looked up by name. Because the tokenizer encodes the
+ * text between added tokens independently, the ids equal those of df_chatml_render's string
+ * encoded with special tokens whenever no content contains a special token.
+ * A tokenizer without <|im_start|> / <|im_end|> falls back to encoding the rendered string. */
+static df_status encode_chat(const df_tokenizer *tok, const df_chat_request *cr, int32_t **ids, size_t *n,
+                             df_error *err) {
+    *ids = NULL;
+    *n = 0;
+    size_t cap = 0;
+    df_status st = DF_OK;
+    int32_t start = df_tokenizer_token_id(tok, "<|im_start|>"), end = df_tokenizer_token_id(tok, "<|im_end|>");
+    char *text = df_chatml_render(cr->roles, (const char *const *)cr->contents, start < 0 || end < 0 ? cr->n_messages : 0, 0);
+    if (!text) return df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
+    if (start >= 0 && end >= 0) {
+        for (int i = 0; i < cr->n_messages && st == DF_OK; i++) {
+            size_t len = strlen(cr->roles[i]) + strlen(cr->contents[i]) + 2;
+            char *turn = malloc(len);
+            if (!turn) {
+                st = df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
+                break;
+            }
+            snprintf(turn, len, "%s\n%s", cr->roles[i], cr->contents[i]);
+            st = append_ids(&start, 1, ids, n, &cap, err);
+            if (st == DF_OK) st = append_encoded(tok, turn, 0, ids, n, &cap, err);
+            if (st == DF_OK) st = append_ids(&end, 1, ids, n, &cap, err);
+            if (st == DF_OK) st = append_encoded(tok, "\n", 0, ids, n, &cap, err);
+            free(turn);
+        }
+    }
+    /* the rendered text is the assistant prefix alone, or everything in the fallback */
+    if (st == DF_OK) st = append_encoded(tok, text, 1, ids, n, &cap, err);
+    free(text);
+    if (st != DF_OK) {
+        free(*ids);
+        *ids = NULL;
+        *n = 0;
+    }
+    return st;
+}
+
 static void route_chat(df_server *srv, const df_http_request *req, df_http_response *resp) {
     df_api_error e;
     if (req->body_too_large) {
@@ -304,16 +373,10 @@ static void route_chat(df_server *srv, const df_http_request *req, df_http_respo
         set_error(resp, &e);
         return;
     }
-    char *prompt = df_chatml_render(cr.roles, (const char *const *)cr.contents, cr.n_messages, 0);
     int32_t *ids = NULL;
     size_t n_ids = 0;
     df_error err = {0};
-    if (!prompt) {
-        df_error_set(&err, DF_ERR_NOMEM, "out of memory rendering the prompt");
-        set_engine_error(srv, resp, 500, "server_error", NULL, &err);
-        goto done;
-    }
-    if (df_tokenizer_encode(df_engine_tokenizer(srv->eng), prompt, strlen(prompt), 1, &ids, &n_ids, &err) != DF_OK) {
+    if (encode_chat(df_engine_tokenizer(srv->eng), &cr, &ids, &n_ids, &err) != DF_OK) {
         set_engine_error(srv, resp, err.code == DF_ERR_INVALID_ARG ? 400 : 500,
                          err.code == DF_ERR_INVALID_ARG ? "invalid_request_error" : "server_error", NULL, &err);
         goto done;
@@ -360,7 +423,6 @@ static void route_chat(df_server *srv, const df_http_request *req, df_http_respo
     df_gen_result_free(&res);
 done:
     free(ids);
-    free(prompt);
     df_chat_request_free(&cr);
 }
 

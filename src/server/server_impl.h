@@ -24,6 +24,7 @@ struct df_server {
     const char *public_names[DF_SERVER_MAX_PRIVATE];
     int n_private;
     atomic_int stopping;          /* set by df_server_stop: cancels generation */
+    atomic_int in_flight;         /* requests begun and not yet answered (http.c) */
     atomic_uint_fast64_t id_counter;
     uint64_t id_seed;
     time_t created;
