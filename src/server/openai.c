@@ -42,51 +42,18 @@ json_t *df_api_error_json(const df_api_error *e) {
     return outer;
 }
 
-/* Length of the valid UTF-8 sequence at s[0..n), or 0 if it is not one (RFC 3629:
- * no overlongs, no surrogates, nothing above U+10FFFF). */
-static size_t utf8_seq_len(const unsigned char *s, size_t n) {
-    unsigned c = s[0];
-    if (c < 0x80) return 1;
-    size_t len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else return 0;
-    if (n < len) return 0;
-    if (s[1] < lo || s[1] > hi) return 0;
-    for (size_t i = 2; i < len; i++)
-        if (s[i] < 0x80 || s[i] > 0xBF) return 0;
-    return len;
-}
-
 json_t *df_json_text(const char *text, size_t len) {
     json_t *j = json_stringn(text, len);
     if (j) return j;
-    /* Invalid UTF-8 (or an embedded NUL): copy with U+FFFD replacements. */
-    char *buf = malloc(len * 3 + 1);
+    /* Not UTF-8 (the engine promises UTF-8; a request's bytes may be anything): keep the
+     * ASCII and replace every other byte, so the answer is still valid JSON. */
+    char *buf = malloc(len + 1);
     if (!buf) return NULL;
-    const unsigned char *s = (const unsigned char *)text;
-    size_t o = 0;
-    for (size_t i = 0; i < len;) {
-        size_t k = s[i] ? utf8_seq_len(s + i, len - i) : 0;
-        if (k) {
-            memcpy(buf + o, s + i, k);
-            o += k;
-            i += k;
-        } else {
-            memcpy(buf + o, "\xEF\xBF\xBD", 3);
-            o += 3;
-            i += 1;
-        }
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)text[i];
+        buf[i] = (c >= 0x80 || c == 0) ? '?' : (char)c;
     }
-    j = json_stringn(buf, o);
+    j = json_stringn(buf, len);
     free(buf);
     return j;
 }
@@ -113,11 +80,26 @@ static int type_error(df_api_error *e, const char *param, const char *expected, 
                             json_type_name(got));
 }
 
+static int missing_error(df_api_error *e, const char *param) {
+    return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
+                            "Missing required parameter: '%s'.", param);
+}
+
 static int value_error(df_api_error *e, const char *param, const char *fmt, double got) {
     char expect[160];
     snprintf(expect, sizeof expect, fmt, got);
     return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param, "Invalid '%s': %s", param,
                             expect);
+}
+
+/* The string field key of obj (param names it in errors); NULL with e set when it is
+ * missing, null or not a string. */
+static json_t *required_string(json_t *obj, const char *key, const char *param, df_api_error *e) {
+    json_t *v = json_object_get(obj, key);
+    if (!v || json_is_null(v)) missing_error(e, param);
+    else if (!json_is_string(v)) type_error(e, param, "a string", v);
+    else return v;
+    return NULL;
 }
 
 /* A field that is absent or null counts as omitted: returns NULL. */
@@ -209,23 +191,17 @@ static int message_text(json_t *content, int i, char **out, df_api_error *e) {
         json_t *part = json_array_get(content, j);
         snprintf(param, sizeof param, "messages[%d].content[%zu]", i, j);
         if (!json_is_object(part)) return type_error(e, param, "an object", part);
-        json_t *type = json_object_get(part, "type");
         snprintf(param, sizeof param, "messages[%d].content[%zu].type", i, j);
-        if (!type)
-            return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
-                                    "Missing required parameter: '%s'.", param);
-        if (!json_is_string(type)) return type_error(e, param, "a string", type);
+        json_t *type = required_string(part, "type", param, e);
+        if (!type) return -1;
         if (strcmp(json_string_value(type), "text") != 0) {
             if (strcmp(json_string_value(type), "image_url") == 0) return unsupported(e, param, "Image content");
             return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
                                     "Invalid value: '%.64s'. Supported values are: 'text'.", json_string_value(type));
         }
-        json_t *text = json_object_get(part, "text");
         snprintf(param, sizeof param, "messages[%d].content[%zu].text", i, j);
-        if (!text)
-            return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
-                                    "Missing required parameter: '%s'.", param);
-        if (!json_is_string(text)) return type_error(e, param, "a string", text);
+        json_t *text = required_string(part, "text", param, e);
+        if (!text) return -1;
         total += json_string_length(text);
     }
     char *buf = malloc(total + 1);
@@ -244,8 +220,7 @@ static int message_text(json_t *content, int i, char **out, df_api_error *e) {
 static int parse_messages(df_chat_request *req, df_api_error *e) {
     json_t *msgs = json_object_get(req->root, "messages");
     if (!msgs || json_is_null(msgs))
-        return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", "messages",
-                                "Missing required parameter: 'messages'.");
+        return missing_error(e, "messages");
     if (!json_is_array(msgs)) return type_error(e, "messages", "an array", msgs);
     size_t n = json_array_size(msgs);
     if (n == 0)
@@ -263,12 +238,9 @@ static int parse_messages(df_chat_request *req, df_api_error *e) {
         char param[96];
         snprintf(param, sizeof param, "messages[%zu]", i);
         if (!json_is_object(m)) return type_error(e, param, "an object", m);
-        json_t *role = json_object_get(m, "role");
         snprintf(param, sizeof param, "messages[%zu].role", i);
-        if (!role || json_is_null(role))
-            return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
-                                    "Missing required parameter: '%s'.", param);
-        if (!json_is_string(role)) return type_error(e, param, "a string", role);
+        json_t *role = required_string(m, "role", param, e);
+        if (!role) return -1;
         const char *rendered = render_role(json_string_value(role));
         if (!rendered)
             return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
@@ -281,8 +253,7 @@ static int parse_messages(df_chat_request *req, df_api_error *e) {
             /* An assistant turn may carry only tool calls. */
             if (strcmp(rendered, "assistant") != 0) {
                 snprintf(param, sizeof param, "messages[%zu].content", i);
-                return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
-                                        "Missing required parameter: '%s'.", param);
+                return missing_error(e, param);
             }
             req->contents[i] = strdup("");
             if (!req->contents[i]) return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");

@@ -42,8 +42,8 @@ int df_chat_request_parse(df_chat_request *req, const char *body, size_t len, co
                           const df_generation_defaults *gen_defaults, df_api_error *e);
 void df_chat_request_free(df_chat_request *req);
 
-/* A JSON string of len bytes of text that should be UTF-8; invalid sequences become
- * U+FFFD. NULL only when out of memory. */
+/* A JSON string of len bytes of text that should be UTF-8; if it is not, every byte
+ * outside ASCII (and NUL) becomes '?'. NULL only when out of memory. */
 json_t *df_json_text(const char *text, size_t len);
 
 #endif

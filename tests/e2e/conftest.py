@@ -123,6 +123,12 @@ class Server:
         finally:
             os.unlink(self.log.name)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 @pytest.fixture(scope="session")
 def server():

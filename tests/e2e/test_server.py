@@ -18,6 +18,10 @@ PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "
            "for i in range(10):", "Tell me a story."]
 
 
+def post_chat(url, body):
+    return requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
 def assert_error(r, status, code=None, param=None):
     """r answers with `status` and an OpenAI error object."""
     assert r.status_code == status, r.text
@@ -338,6 +342,8 @@ def test_unknown_route(server):
     assert_error(requests.get(server.url + "/v1/nothing", timeout=10), 404, "not_found")
     assert_error(requests.post(server.url + "/v2/chat/completions", json={}, timeout=10), 404, "not_found")
     assert_error(requests.get(server.url + "/", timeout=10), 404)
+    # a path that is not UTF-8 still gets a valid JSON error
+    assert_error(requests.get(server.url + "/v1/%FF%FE", timeout=10), 404, "not_found")
 
 
 def test_wrong_method(server):
@@ -404,8 +410,7 @@ def test_no_local_paths_in_log_or_errors(server):
 # ---- access control and lifecycle --------------------------------------------------------
 
 def test_api_key():
-    s = Server("--api-key", "s3cret-key")
-    try:
+    with Server("--api-key", "s3cret-key") as s:
         url = s.url
         assert requests.get(url + "/health", timeout=10).status_code == 200
         r = requests.get(url + "/v1/models", timeout=10)
@@ -422,52 +427,34 @@ def test_api_key():
         assert resp.choices[0].message.role == "assistant"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
-    finally:
-        s.close()
 
 
 def test_model_id_option():
-    s = Server("--model-id", "my-model")
-    try:
+    with Server("--model-id", "my-model") as s:
         assert requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "my-model"
-        r = requests.post(s.url + "/v1/chat/completions", timeout=60,
-                          json={"model": "my-model", "messages": MSG, "max_tokens": 1})
+        r = post_chat(s.url, {"model": "my-model", "messages": MSG, "max_tokens": 1})
         assert r.status_code == 200 and r.json()["model"] == "my-model"
-    finally:
-        s.close()
 
 
 def test_server_max_tokens_caps_requests():
-    s = Server("--max-tokens", "2")
-    try:
-        r = requests.post(s.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": MSG, "max_tokens": 50, "temperature": 0})
+    with Server("--max-tokens", "2") as s:
+        r = post_chat(s.url, {"messages": MSG, "max_tokens": 50, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
-    finally:
-        s.close()
 
 
 def test_context_overflow_is_400():
-    s = Server("--ctx-size", "64")
-    try:
-        r = requests.post(s.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "word " * 200}]})
+    with Server("--ctx-size", "64") as s:
+        r = post_chat(s.url, {"messages": [{"role": "user", "content": "word " * 200}]})
         assert_error(r, 400, "context_length_exceeded")
         assert s.alive()
-    finally:
-        s.close()
 
 
 def test_small_max_body():
-    s = Server("--max-body", "2048")
-    try:
-        r = requests.post(s.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "x" * 4000}]})
+    with Server("--max-body", "2048") as s:
+        r = post_chat(s.url, {"messages": [{"role": "user", "content": "x" * 4000}]})
         assert_error(r, 413, "request_too_large")
-        r = requests.post(s.url + "/v1/chat/completions", timeout=60, json={"messages": MSG, "max_tokens": 1})
+        r = post_chat(s.url, {"messages": MSG, "max_tokens": 1})
         assert r.status_code == 200
-    finally:
-        s.close()
 
 
 def test_non_loopback_host_requires_api_key():
@@ -485,19 +472,15 @@ def test_port_in_use_fails_cleanly(server):
 
 
 def test_sigint_shuts_down_gracefully():
-    s = Server()
-    try:
+    with Server() as s:
         assert requests.get(s.url + "/health", timeout=10).status_code == 200
         assert s.stop(signal.SIGINT) == 0
         assert "stopped" in s.log_text()
-    finally:
-        s.close()
 
 
 def test_shutdown_during_generation():
     """SIGTERM while a long generation runs: it is cancelled (503) and the process exits 0."""
-    s = Server()
-    try:
+    with Server() as s:
         result = {}
 
         def long_request():
@@ -514,8 +497,6 @@ def test_shutdown_during_generation():
         t.join(60)
         assert result.get("status") == 503, result
         assert "shutting down" in s.log_text()
-    finally:
-        s.close()
 
 
 def test_env_model_override(tmp_path):
