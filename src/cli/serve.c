@@ -38,7 +38,9 @@ static int serve(const char *dir, df_server_options *so, int threads) {
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
-    log_line(NULL, "loading model ...");
+    char line[512];
+    snprintf(line, sizeof line, "loading model '%s'", so->model_id);
+    log_line(NULL, line);
     df_engine_options eo = {.n_threads = threads};
     if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {
         cli_error("serve", "%s", err.msg);
@@ -49,7 +51,6 @@ static int serve(const char *dir, df_server_options *so, int threads) {
         cli_error("serve", "%s", err.msg);
         goto done;
     }
-    char line[512];
     snprintf(line, sizeof line, "serving model '%s' on http://%s%s%s:%d (threads %d%s)", so->model_id,
              strchr(so->host, ':') ? "[" : "", so->host, strchr(so->host, ':') ? "]" : "", df_server_port(srv),
              df_engine_n_threads(eng), so->api_key ? ", API key required" : "");
