@@ -82,8 +82,10 @@ df_status df_server_listen(df_server *srv, df_error *err);
 /* The port actually bound (after df_server_listen), else the configured one. */
 int df_server_port(const df_server *srv);
 
-/* Stops listening: a generation in progress is cancelled (its request gets 503), open
- * connections are closed and their threads joined. Safe to call twice or when not listening. */
+/* Stops gracefully: no new connections are accepted, a generation in progress is cancelled
+ * and every request already begun gets its answer (503 for cancelled ones) within a grace
+ * period of 10 s; then open connections are closed and their threads joined. Safe to call
+ * twice or when not listening. */
 void df_server_stop(df_server *srv);
 
 /* Stops (df_server_stop) and frees. NULL is fine. */
@@ -105,7 +107,8 @@ typedef struct df_http_request {
 /* The answer. Free with df_http_response_free. */
 typedef struct df_http_response {
     int status;                  /* HTTP status */
-    char *body;                  /* malloc'd JSON text (NUL-terminated), body_len bytes */
+    char *body;                  /* malloc'd JSON text (NUL-terminated), body_len bytes;
+                                    NULL only when out of memory */
     size_t body_len;
     const char *content_type;    /* static string */
     const char *allow;           /* for 405: the allowed methods (static), else NULL */
@@ -119,8 +122,8 @@ typedef struct df_http_response {
     char note[160];              /* short reason for an error status (already redacted) */
 } df_http_response;
 
-/* Answers one request (never fails: errors become error responses; out of memory gives
- * status 500 with a static body). */
+/* Answers one request. Never fails: every problem becomes an error response (status 500
+ * when out of memory). */
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp);
 void df_http_response_free(df_http_response *resp);
 
