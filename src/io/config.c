@@ -110,18 +110,18 @@ static df_status get_int(const cfg_src *s, const char *key, int required, long l
     return DF_OK;
 }
 
-/* A number field, finite, > lo (strict) and <= hi. */
-static df_status get_num(const cfg_src *s, const char *key, double lo, double hi, float *out,
-                         df_error *err) {
+/* A number field, finite, in [lo, hi] (lo_open: (lo, hi]). */
+static df_status get_num(const cfg_src *s, const char *key, double lo, int lo_open, double hi,
+                         float *out, df_error *err) {
     const char *where = "";
     json_t *v = src_get(s, key, &where);
     if (!v) return DF_OK;
     if (!json_is_number(v))
         return df_error_set(err, DF_ERR_FORMAT, "field %s%s must be a number", where, key);
     double x = json_number_value(v);
-    if (!isfinite(x) || !(x > lo) || x > hi)
-        return df_error_set(err, DF_ERR_FORMAT, "field %s%s = %g is out of range (%g, %g]", where,
-                            key, x, lo, hi);
+    if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi)
+        return df_error_set(err, DF_ERR_FORMAT, "field %s%s = %g is out of range %c%g, %g]", where,
+                            key, x, lo_open ? '(' : '[', lo, hi);
     *out = (float)x;
     return DF_OK;
 }
@@ -227,8 +227,8 @@ static df_status parse_rope(df_text_config *cfg, json_t *text, json_t *root, df_
     cfg->rope_theta = 1e7f;
     cfg->partial_rotary_factor = 0.25f;
     df_status st;
-    if ((st = get_num(&rs, "rope_theta", 0.0, 1e30, &cfg->rope_theta, err)) != DF_OK) return st;
-    if ((st = get_num(&rs, "partial_rotary_factor", 0.0, 1.0, &cfg->partial_rotary_factor, err)) !=
+    if ((st = get_num(&rs, "rope_theta", 0.0, 1, 1e30, &cfg->rope_theta, err)) != DF_OK) return st;
+    if ((st = get_num(&rs, "partial_rotary_factor", 0.0, 1, 1.0, &cfg->partial_rotary_factor, err)) !=
         DF_OK)
         return st;
     double rot_d = (double)cfg->head_dim * cfg->partial_rotary_factor;
@@ -332,7 +332,7 @@ static df_status text_config_parse_root(df_text_config *cfg, json_t *root, df_er
         return df_error_set(err, DF_ERR_FORMAT,
                             "linear_num_value_heads %d is not a multiple of linear_num_key_heads %d",
                             cfg->lin_n_v_heads, cfg->lin_n_k_heads);
-    if ((st = get_num(&src, "rms_norm_eps", 0.0, 1.0, &cfg->rms_norm_eps, err)) != DF_OK) return st;
+    if ((st = get_num(&src, "rms_norm_eps", 0.0, 1, 1.0, &cfg->rms_norm_eps, err)) != DF_OK) return st;
 
     /* tie_word_embeddings: both levels must agree when both are given */
     int tie_text = -1, tie_top = -1;
@@ -406,18 +406,20 @@ df_status df_generation_config_parse(df_generation_defaults *gen, df_text_config
         const char *key;
         float *out;
         int *has;
-        double lo, hi;
+        double lo;
+        int lo_open;
+        double hi;
     } nums[] = {
-        {"temperature", &gen->temperature, &gen->has_temperature, -1e-30, 1e6},
-        {"top_p", &gen->top_p, &gen->has_top_p, 0.0, 1.0},
-        {"min_p", &gen->min_p, &gen->has_min_p, -1e-30, 1.0},
-        {"repetition_penalty", &gen->repetition_penalty, &gen->has_repetition_penalty, 0.0, 1e6},
+        {"temperature", &gen->temperature, &gen->has_temperature, 0.0, 0, 1e6},
+        {"top_p", &gen->top_p, &gen->has_top_p, 0.0, 1, 1.0},
+        {"min_p", &gen->min_p, &gen->has_min_p, 0.0, 0, 1.0},
+        {"repetition_penalty", &gen->repetition_penalty, &gen->has_repetition_penalty, 0.0, 1, 1e6},
     };
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
         if (!src_get(&src, nums[i].key, NULL)) continue;
-        if ((st = get_num(&src, nums[i].key, nums[i].lo, nums[i].hi, nums[i].out, err)) != DF_OK)
+        if ((st = get_num(&src, nums[i].key, nums[i].lo, nums[i].lo_open, nums[i].hi, nums[i].out,
+                          err)) != DF_OK)
             goto done;
-        if (*nums[i].out < 0) *nums[i].out = 0; /* -0 */
         *nums[i].has = 1;
     }
     if (src_get(&src, "top_k", NULL)) {
