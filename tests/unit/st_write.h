@@ -234,6 +234,26 @@ static inline int tw_rm_one(const char *p, const struct stat *sb, int flag, stru
     return remove(p);
 }
 
+/* Removes a temp folder and everything in it. */
+static inline void tw_rm_rf(const char *dir) {
+    if (strncmp(dir, "/tmp/dflash-test-", 17) == 0) nftw(dir, tw_rm_one, 8, FTW_DEPTH | FTW_PHYS);
+}
+
+/* The test group's temp folder (tw_setup / tw_teardown as cmocka group fixtures). */
+static char tw_dir[256];
+
+static inline int tw_setup(void **state) {
+    (void)state;
+    snprintf(tw_dir, sizeof tw_dir, "%s", tu_tmpdir());
+    return 0;
+}
+
+static inline int tw_teardown(void **state) {
+    (void)state;
+    tw_rm_rf(tw_dir);
+    return 0;
+}
+
 /* A fresh numbered subfolder of base (static buffer). */
 static inline const char *tw_subdir(const char *base) {
     static char buf[1024];
@@ -273,11 +293,6 @@ static inline void tw_pack_shard(const char *d, size_t cut, const char *misplace
     tw_free(&all);
     tw_free(&a);
     tw_free(&b);
-}
-
-/* Removes a temp folder and everything in it. */
-static inline void tw_rm_rf(const char *dir) {
-    if (strncmp(dir, "/tmp/dflash-test-", 17) == 0) nftw(dir, tw_rm_one, 8, FTW_DEPTH | FTW_PHYS);
 }
 
 #endif

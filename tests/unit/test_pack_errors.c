@@ -11,24 +11,10 @@
 #define L0 "language_model.model.layers.0."
 #define TINY_ST "model.safetensors"
 
-static char g_dir[256];
-
-static int setup(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "%s", tu_tmpdir());
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    tw_rm_rf(g_dir);
-    return 0;
-}
-
 /* A fresh copy of the tiny pack; returns its folder (valid until the next call). */
 static const char *fresh(void) {
     static char d[1024];
-    snprintf(d, sizeof d, "%s", tw_subdir(g_dir));
+    snprintf(d, sizeof d, "%s", tw_subdir(tw_dir));
     tw_pack_copy(tu_fixture("tiny-bonsai2"), d);
     return d;
 }
@@ -60,87 +46,62 @@ static void st_store(const char *dir, tw_file *f) {
     tw_free(f);
 }
 
+/* A tensor given another dtype and shape (zero-filled). */
+typedef struct retype_case {
+    const char *tensor, *dtype;
+    int ndim;
+    int64_t shape[3];
+    const char *n1, *n2;
+} retype_case;
+
+static void run_retype_cases(const retype_case *cases, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const char *d = fresh();
+        tw_file f;
+        st_load(d, &f);
+        tw_retype(tw_get(&f, cases[i].tensor), cases[i].dtype, cases[i].ndim, cases[i].shape);
+        st_store(d, &f);
+        expect_load_error(d, DF_ERR_MODEL, cases[i].n1, cases[i].n2);
+    }
+}
+
 static void test_wrong_dtype(void **state) {
     (void)state;
-    const char *d = fresh();
-    tw_file f;
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "mlp.up_proj.scales"), "F32", 2, (int64_t[]){768, 2});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "mlp.up_proj.scales (",
-                      "model.safetensors): dtype F32, expected F16 or BF16");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "linear_attn.A_log"), "I32", 1, (int64_t[]){4});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "linear_attn.A_log (",
-                      "dtype I32, expected F32 or F16 or BF16");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "linear_attn.in_proj_a.weight"), "U32", 2, (int64_t[]){4, 256});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "linear_attn.in_proj_a.weight (",
-                      "U32 (quantized) weight but " L0 "linear_attn.in_proj_a.scales is missing");
-
-    d = fresh(); /* biases must have the scales' dtype */
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "mlp.gate_proj.biases"), "BF16", 2, (int64_t[]){768, 2});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "mlp.gate_proj.biases (",
-                      "dtype BF16, expected F16");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "linear_attn.in_proj_qkv.signs"), "F16", 1, (int64_t[]){256});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "linear_attn.in_proj_qkv.signs (",
-                      "dtype F16, expected F32");
+    static const retype_case cases[] = {
+        {L0 "mlp.up_proj.scales", "F32", 2, {768, 2}, "tensor " L0 "mlp.up_proj.scales (",
+         "model.safetensors): dtype F32, expected F16 or BF16"},
+        {L0 "linear_attn.A_log", "I32", 1, {4}, "tensor " L0 "linear_attn.A_log (",
+         "dtype I32, expected F32 or F16 or BF16"},
+        {L0 "linear_attn.in_proj_a.weight", "U32", 2, {4, 256},
+         "tensor " L0 "linear_attn.in_proj_a.weight (",
+         "U32 (quantized) weight but " L0 "linear_attn.in_proj_a.scales is missing"},
+        /* biases must have the scales' dtype */
+        {L0 "mlp.gate_proj.biases", "BF16", 2, {768, 2}, "tensor " L0 "mlp.gate_proj.biases (",
+         "dtype BF16, expected F16"},
+        {L0 "linear_attn.in_proj_qkv.signs", "F16", 1, {256},
+         "tensor " L0 "linear_attn.in_proj_qkv.signs (", "dtype F16, expected F32"},
+    };
+    run_retype_cases(cases, sizeof cases / sizeof cases[0]);
 }
 
 static void test_wrong_shape(void **state) {
     (void)state;
-    tw_file f;
-    const char *d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, "language_model.model.layers.1.linear_attn.norm.weight"), "F16", 1,
-              (int64_t[]){32});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL,
-                      "tensor language_model.model.layers.1.linear_attn.norm.weight (",
-                      "shape [32], expected [64]");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, "language_model.model.layers.2.mlp.down_proj.weight"), "U32", 2,
-              (int64_t[]){256, 24});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.model.layers.2.mlp.down_proj.weight (",
-                      "shape [256, 24], expected [256, 48] (2-bit, group 128)");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, "language_model.model.layers.3.self_attn.q_proj.scales"), "F16", 2,
-              (int64_t[]){256, 2});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL,
-                      "tensor language_model.model.layers.3.self_attn.q_proj.scales (",
-                      "shape [256, 2], expected [512, 2]");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, L0 "linear_attn.conv1d.weight"), "F16", 3, (int64_t[]){512, 3, 1});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "linear_attn.conv1d.weight (",
-                      "shape [512, 3, 1], expected [512, 4, 1]");
-
-    d = fresh();
-    st_load(d, &f);
-    tw_retype(tw_get(&f, "language_model.lm_head.signs"), "F32", 1, (int64_t[]){128});
-    st_store(d, &f);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.lm_head.signs (",
-                      "shape [128], expected [256]");
+    static const retype_case cases[] = {
+        {"language_model.model.layers.1.linear_attn.norm.weight", "F16", 1, {32},
+         "tensor language_model.model.layers.1.linear_attn.norm.weight (",
+         "shape [32], expected [64]"},
+        {"language_model.model.layers.2.mlp.down_proj.weight", "U32", 2, {256, 24},
+         "tensor language_model.model.layers.2.mlp.down_proj.weight (",
+         "shape [256, 24], expected [256, 48] (2-bit, group 128)"},
+        {"language_model.model.layers.3.self_attn.q_proj.scales", "F16", 2, {256, 2},
+         "tensor language_model.model.layers.3.self_attn.q_proj.scales (",
+         "shape [256, 2], expected [512, 2]"},
+        {L0 "linear_attn.conv1d.weight", "F16", 3, {512, 3, 1},
+         "tensor " L0 "linear_attn.conv1d.weight (", "shape [512, 3, 1], expected [512, 4, 1]"},
+        {"language_model.lm_head.signs", "F32", 1, {128}, "tensor language_model.lm_head.signs (",
+         "shape [128], expected [256]"},
+    };
+    run_retype_cases(cases, sizeof cases / sizeof cases[0]);
 }
 
 static void test_missing_tensor(void **state) {
@@ -253,107 +214,85 @@ static void test_corrupt_file_in_pack(void **state) {
 
 /* ---- config edits ----------------------------------------------------------------- */
 
-static json_t *cfg_load(const char *dir) { return tw_load_json(tw_path(dir, "config.json")); }
+/* A config.json edit: in the object `where` names ("top", "text", "rope", "quant", or
+ * "mod:<path>" for a Hadamard manifest entry, "modules" to append value to the list),
+ * set key to the JSON value (NULL: delete the key). */
+typedef struct cfg_case {
+    const char *where, *key, *value;
+    df_status code;
+    const char *n1, *n2;
+} cfg_case;
 
-static void cfg_store(const char *dir, json_t *c) {
-    tw_write_json(tw_path(dir, "config.json"), c);
-    json_decref(c);
-}
-
-static json_t *text_cfg(json_t *c) { return json_object_get(c, "text_config"); }
-
-static json_t *manifest_entry(json_t *c, const char *path) {
+static json_t *cfg_target(json_t *c, const char *where) {
+    json_t *text = json_object_get(c, "text_config");
+    if (!strcmp(where, "top")) return c;
+    if (!strcmp(where, "text")) return text;
+    if (!strcmp(where, "rope")) return json_object_get(text, "rope_parameters");
+    if (!strcmp(where, "quant")) return json_object_get(c, "quantization");
+    if (!strcmp(where, "modules")) return json_object_get(c, "modules");
     json_t *mods = json_object_get(c, "modules");
     for (size_t i = 0; i < json_array_size(mods); i++) {
         json_t *e = json_array_get(mods, i);
-        if (!strcmp(json_string_value(json_object_get(e, "path")), path)) return e;
+        if (!strcmp(json_string_value(json_object_get(e, "path")), where + 4)) return e;
     }
-    fail_msg("no manifest entry %s", path);
+    fail_msg("no config object %s", where);
     return NULL;
 }
 
+static void run_cfg_cases(const cfg_case *cases, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const char *d = fresh();
+        json_t *c = tw_load_json(tw_path(d, "config.json"));
+        json_t *obj = cfg_target(c, cases[i].where);
+        json_t *v = cases[i].value ? json_loads(cases[i].value, JSON_DECODE_ANY, NULL) : NULL;
+        if (cases[i].value) assert_non_null(v);
+        if (json_is_array(obj))
+            json_array_append_new(obj, v);
+        else if (v)
+            json_object_set_new(obj, cases[i].key, v);
+        else
+            json_object_del(obj, cases[i].key);
+        tw_write_json(tw_path(d, "config.json"), c);
+        json_decref(c);
+        expect_load_error(d, cases[i].code, cases[i].n1, cases[i].n2);
+    }
+}
+
+#define LT_8(l2) "[\"linear_attention\",\"linear_attention\"," l2 ",\"full_attention\"," \
+                 "\"linear_attention\",\"linear_attention\",\"linear_attention\",\"full_attention\"]"
+
 static void test_bad_config(void **state) {
     (void)state;
+    static const cfg_case cases[] = {
+        {"text", "hidden_size", NULL, DF_ERR_FORMAT,
+         "config.json: missing required field \"hidden_size\"", NULL},
+        {"top", "model_type", "\"llama\"", DF_ERR_UNSUPPORTED,
+         "config.json: unknown model_type \"llama\"", NULL},
+        {"text", "layer_types", "[\"linear_attention\"]", DF_ERR_FORMAT,
+         "config.json: field text_config.layer_types must be a list of 8 entries", NULL},
+        {"text", "layer_types", LT_8("\"sliding_attention\""), DF_ERR_FORMAT,
+         "field text_config.layer_types[2] must be", NULL},
+        /* a valid layer_types that does not match the tensors */
+        {"text", "layer_types", LT_8("\"full_attention\""), DF_ERR_MODEL,
+         "missing tensor language_model.model.layers.2.self_attn.q_proj.weight", NULL},
+        {"text", "num_key_value_heads", "3", DF_ERR_FORMAT,
+         "num_attention_heads 4 is not a multiple of num_key_value_heads 3", NULL},
+        {"text", "hidden_size", "\"256\"", DF_ERR_FORMAT,
+         "field text_config.hidden_size must be an integer", NULL},
+        {"text", "num_hidden_layers", "0", DF_ERR_FORMAT,
+         "field text_config.num_hidden_layers = 0 is out of range", NULL},
+        {"rope", "mrope_section", "[3,3,3]", DF_ERR_FORMAT,
+         "mrope_section must be 3 non-negative integers summing to rot/2 = 8", NULL},
+        {"rope", "partial_rotary_factor", "1.5", DF_ERR_FORMAT,
+         "field rope_parameters.partial_rotary_factor = 1.5 is out of range", NULL},
+        {"top", "eos_token_id", "4096", DF_ERR_FORMAT, "field eos_token_id must be a token id", NULL},
+        {"top", "gdn_activation_layout", "\"interleaved\"", DF_ERR_UNSUPPORTED,
+         "field gdn_activation_layout must be \"grouped\"", NULL},
+        {"top", "tie_word_embeddings", "true", DF_ERR_FORMAT, "tie_word_embeddings disagree", NULL},
+    };
+    run_cfg_cases(cases, sizeof cases / sizeof cases[0]);
+
     const char *d = fresh();
-    json_t *c = cfg_load(d);
-    json_object_del(text_cfg(c), "hidden_size");
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "config.json: missing required field \"hidden_size\"", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(c, "model_type", json_string("llama"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "config.json: unknown model_type \"llama\"", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_array_remove(json_object_get(text_cfg(c), "layer_types"), 0);
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT,
-                      "config.json: field text_config.layer_types must be a list of 8 entries", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_array_set_new(json_object_get(text_cfg(c), "layer_types"), 2,
-                       json_string("sliding_attention"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "field text_config.layer_types[2] must be", NULL);
-
-    d = fresh(); /* a valid layer_types that does not match the tensors */
-    c = cfg_load(d);
-    json_array_set_new(json_object_get(text_cfg(c), "layer_types"), 2, json_string("full_attention"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL,
-                      "missing tensor language_model.model.layers.2.self_attn.q_proj.weight", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(text_cfg(c), "num_key_value_heads", json_integer(3));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT,
-                      "num_attention_heads 4 is not a multiple of num_key_value_heads 3", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(text_cfg(c), "hidden_size", json_string("256"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "field text_config.hidden_size must be an integer", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(text_cfg(c), "num_hidden_layers", json_integer(0));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "field text_config.num_hidden_layers = 0 is out of range",
-                      NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(text_cfg(c), "rope_parameters"), "mrope_section",
-                        json_pack("[iii]", 3, 3, 3));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "mrope_section must be 3 non-negative integers summing to "
-                      "rot/2 = 8", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(c, "eos_token_id", json_integer(4096));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "field eos_token_id must be a token id", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(c, "gdn_activation_layout", json_string("interleaved"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "field gdn_activation_layout must be \"grouped\"", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(c, "tie_word_embeddings", json_true());
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "tie_word_embeddings disagree", NULL);
-
-    d = fresh();
     assert_int_equal(tu_write_file(tw_path(d, "config.json"), "{\"model_type\": ", 15), 0);
     expect_load_error(d, DF_ERR_FORMAT, "config.json: not valid JSON", NULL);
 
@@ -373,65 +312,27 @@ static void test_bad_config(void **state) {
 
 static void test_bad_quantization(void **state) {
     (void)state;
-    const char *d = fresh();
-    json_t *c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "bits", json_integer(7));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "config.json: field quantization: bits 7 is not supported",
-                      NULL);
+    static const cfg_case cases[] = {
+        {"quant", "bits", "7", DF_ERR_UNSUPPORTED,
+         "config.json: field quantization: bits 7 is not supported", NULL},
+        {"quant", "group_size", "96", DF_ERR_UNSUPPORTED,
+         "field quantization: group_size 96 is not supported", NULL},
+        {"quant", "mode", "\"mxfp4\"", DF_ERR_UNSUPPORTED, "mode must be \"affine\"", NULL},
+        /* bits that do not match the packed weights */
+        {"quant", "bits", "4", DF_ERR_MODEL, "tensor language_model.model.embed_tokens.weight (",
+         "shape [2048, 16], expected [2048, 32] (4-bit, group 128)"},
+        {"quant", "language_model.lm_head", "{\"bits\":3,\"group_size\":64}", DF_ERR_MODEL,
+         "tensor language_model.lm_head.weight (", "expected [2048, 24] (3-bit, group 64)"},
+        {"quant", "language_model.lm_head", "false", DF_ERR_MODEL,
+         "tensor language_model.lm_head.scales (", "marks it not quantized (false)"},
+        {"quant", "model.layers.0.mlp.up_proj", "{\"bits\":9,\"group_size\":64}", DF_ERR_UNSUPPORTED,
+         "field quantization.\"model.layers.0.mlp.up_proj\": bits 9 is not supported", NULL},
+        {"top", "quantization", NULL, DF_ERR_MODEL,
+         "tensor language_model.model.embed_tokens.scales (", "quantization is absent"},
+    };
+    run_cfg_cases(cases, sizeof cases / sizeof cases[0]);
 
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "group_size", json_integer(96));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "field quantization: group_size 96 is not supported",
-                      NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "mode", json_string("mxfp4"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "mode must be \"affine\"", NULL);
-
-    d = fresh(); /* bits that do not match the packed weights */
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "bits", json_integer(4));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.model.embed_tokens.weight (",
-                      "shape [2048, 16], expected [2048, 32] (4-bit, group 128)");
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "language_model.lm_head",
-                        json_pack("{sisi}", "bits", 3, "group_size", 64));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.lm_head.weight (",
-                      "expected [2048, 24] (3-bit, group 64)");
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "language_model.lm_head", json_false());
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.lm_head.scales (",
-                      "marks it not quantized (false)");
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(json_object_get(c, "quantization"), "model.layers.0.mlp.up_proj",
-                        json_pack("{sisi}", "bits", 9, "group_size", 64));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED,
-                      "field quantization.\"model.layers.0.mlp.up_proj\": bits 9 is not supported",
-                      NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_del(c, "quantization");
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "tensor language_model.model.embed_tokens.scales (",
-                      "quantization is absent");
-
-    d = fresh(); /* in_proj_a / in_proj_b must be dense */
+    const char *d = fresh(); /* in_proj_a / in_proj_b must be dense */
     tw_file f;
     st_load(d, &f);
     tw_add(&f, L0 "linear_attn.in_proj_b.scales", "F16", 2, (int64_t[]){4, 2}, NULL);
@@ -449,23 +350,30 @@ static void test_bad_quantization(void **state) {
 
 static void test_bad_hadamard(void **state) {
     (void)state;
-    const char *d = fresh();
-    json_t *c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "model.layers.0.mlp.down_proj"), "block",
-                        json_integer(512));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL,
-                      "config.json modules entry model.layers.0.mlp.down_proj: Hadamard block 512 "
-                      "does not divide the input width 768", NULL);
+    static const cfg_case cases[] = {
+        {"mod:model.layers.0.mlp.down_proj", "block", "512", DF_ERR_MODEL,
+         "config.json modules entry model.layers.0.mlp.down_proj: Hadamard block 512 does not "
+         "divide the input width 768", NULL},
+        {"mod:lm_head", "block", "96", DF_ERR_MODEL, "config.json: field modules[",
+         "(lm_head): Hadamard block 96 is not a power of two"},
+        /* signs for a module the manifest does not rotate */
+        {"mod:model.layers.0.mlp.up_proj", "block", "0", DF_ERR_MODEL,
+         "unexpected tensor " L0 "mlp.up_proj.signs (", "Hadamard signs of a module with no block"},
+        {"modules", NULL, "{\"path\":\"model.layers.0.mlp.nope\",\"block\":256}", DF_ERR_MODEL,
+         "config.json modules entry model.layers.0.mlp.nope names no linear module", NULL},
+        {"mod:model.embed_tokens", "embedding", "false", DF_ERR_MODEL,
+         "modules entry model.embed_tokens: \"embedding\" is false but the module is an embedding",
+         NULL},
+        {"mod:lm_head", "embedding", "true", DF_ERR_MODEL,
+         "modules entry lm_head: \"embedding\" is true but the module is not an embedding", NULL},
+        {"modules", NULL, "{\"path\":\"lm_head\",\"block\":256}", DF_ERR_FORMAT,
+         "field modules: lm_head is listed twice", NULL},
+        {"mod:lm_head", "dtype", "\"bfloat16\"", DF_ERR_UNSUPPORTED,
+         "(lm_head): dtype must be \"float16\"", NULL},
+    };
+    run_cfg_cases(cases, sizeof cases / sizeof cases[0]);
 
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "lm_head"), "block", json_integer(96));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "config.json: field modules[", "(lm_head): Hadamard block 96 is "
-                      "not a power of two");
-
-    d = fresh(); /* a rotated module with no signs */
+    const char *d = fresh(); /* a rotated module with no signs */
     tw_file f;
     st_load(d, &f);
     tw_remove(&f, "language_model.model.layers.3.self_attn.v_proj.signs");
@@ -479,50 +387,6 @@ static void test_bad_hadamard(void **state) {
     st_store(d, &f);
     expect_load_error(d, DF_ERR_MODEL, "tensor " L0 "mlp.up_proj.signs (",
                       "element 3 is 0.5, signs must be +1 or -1");
-
-    d = fresh(); /* signs for a module the manifest does not rotate */
-    c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "model.layers.0.mlp.up_proj"), "block", json_integer(0));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "unexpected tensor " L0 "mlp.up_proj.signs (",
-                      "Hadamard signs of a module with no block");
-
-    d = fresh();
-    c = cfg_load(d);
-    json_array_append_new(json_object_get(c, "modules"),
-                          json_pack("{sssisbss}", "path", "model.layers.0.mlp.nope", "block", 256,
-                                    "embedding", 0, "dtype", "float16"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL,
-                      "config.json modules entry model.layers.0.mlp.nope names no linear module",
-                      NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "model.embed_tokens"), "embedding", json_false());
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "modules entry model.embed_tokens: \"embedding\" is false but "
-                      "the module is an embedding", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "lm_head"), "embedding", json_true());
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_MODEL, "modules entry lm_head: \"embedding\" is true but the module "
-                      "is not an embedding", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_array_append_new(json_object_get(c, "modules"),
-                          json_pack("{sssi}", "path", "lm_head", "block", 256));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_FORMAT, "field modules: lm_head is listed twice", NULL);
-
-    d = fresh();
-    c = cfg_load(d);
-    json_object_set_new(manifest_entry(c, "lm_head"), "dtype", json_string("bfloat16"));
-    cfg_store(d, c);
-    expect_load_error(d, DF_ERR_UNSUPPORTED, "(lm_head): dtype must be \"float16\"", NULL);
 }
 
 /* ---- sharded packs ---------------------------------------------------------------- */
@@ -562,5 +426,5 @@ int main(void) {
         cmocka_unit_test(test_bad_hadamard),
         cmocka_unit_test(test_bad_shards),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tw_setup, tw_teardown);
 }

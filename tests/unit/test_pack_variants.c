@@ -8,20 +8,6 @@
 #include "dflash/pack.h"
 #include "st_write.h"
 
-static char g_dir[256];
-
-static int setup(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "%s", tu_tmpdir());
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    tw_rm_rf(g_dir);
-    return 0;
-}
-
 static df_pack *load(const char *dir) {
     df_pack *p = NULL;
     df_error err = {0};
@@ -63,7 +49,7 @@ static void same_linear(const df_linear *a, const df_linear *b) {
 static void test_sharded_equals_single(void **state) {
     (void)state;
     char d[1024];
-    snprintf(d, sizeof d, "%s", tw_subdir(g_dir));
+    snprintf(d, sizeof d, "%s", tw_subdir(tw_dir));
     tw_pack_copy(tu_fixture("tiny-bonsai2"), d);
     tw_pack_shard(d, 130, NULL, "model-00002-of-00002.safetensors");
     df_pack *a = load(tu_fixture("tiny-bonsai2")), *b = load(d);
@@ -211,7 +197,7 @@ static void check_dense(const df_linear *l, int rows, int cols, df_dtype wdt) {
 static void test_synthetic_overrides(void **state) {
     (void)state;
     char d[1024];
-    snprintf(d, sizeof d, "%s", tw_subdir(g_dir));
+    snprintf(d, sizeof d, "%s", tw_subdir(tw_dir));
     write_synthetic(d);
     df_pack *p = load(d);
     const df_text_config *c = &p->cfg;
@@ -269,5 +255,5 @@ int main(void) {
         cmocka_unit_test(test_sharded_equals_single),
         cmocka_unit_test(test_synthetic_overrides),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tw_setup, tw_teardown);
 }

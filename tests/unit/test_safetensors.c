@@ -7,40 +7,22 @@
 #include "dflash/safetensors.h"
 #include "st_write.h"
 
-static char g_dir[256];
+typedef df_status (*open_fn)(df_tensor_set **out, const char *path, df_error *err);
 
-static int setup(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "%s", tu_tmpdir());
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    tw_rm_rf(g_dir);
-    return 0;
-}
-
-/* Opens path; expects failure with code and every needle in the message. */
-static void expect_open_error(const char *path, df_status code, const char *n1, const char *n2) {
+/* Opens path with open; expects failure with code and every needle in the message. */
+static void expect_error(open_fn open, const char *path, df_status code, const char *n1,
+                         const char *n2) {
     df_tensor_set *s = (df_tensor_set *)1;
     df_error err = {0};
-    df_status st = df_tensors_open_file(&s, path, &err);
+    df_status st = open(&s, path, &err);
     if (st != code || (n1 && !strstr(err.msg, n1)) || (n2 && !strstr(err.msg, n2)))
         fail_msg("expected %s with \"%s\" / \"%s\", got %s: %s", df_status_name(code),
                  n1 ? n1 : "", n2 ? n2 : "", df_status_name(st), err.msg);
     assert_null(s);
 }
 
-static void expect_dir_error(const char *dir, df_status code, const char *n1, const char *n2) {
-    df_tensor_set *s = (df_tensor_set *)1;
-    df_error err = {0};
-    df_status st = df_tensors_open_dir(&s, dir, &err);
-    if (st != code || (n1 && !strstr(err.msg, n1)) || (n2 && !strstr(err.msg, n2)))
-        fail_msg("expected %s with \"%s\" / \"%s\", got %s: %s", df_status_name(code),
-                 n1 ? n1 : "", n2 ? n2 : "", df_status_name(st), err.msg);
-    assert_null(s);
-}
+#define expect_open_error(...) expect_error(df_tensors_open_file, __VA_ARGS__)
+#define expect_dir_error(...) expect_error(df_tensors_open_dir, __VA_ARGS__)
 
 /* A small file with one tensor of each dtype. */
 static void small_file(tw_file *f) {
@@ -66,7 +48,7 @@ static void test_read_all_dtypes(void **state) {
     (void)state;
     tw_file f;
     small_file(&f);
-    const char *p = tw_path(g_dir, "small.safetensors");
+    const char *p = tw_path(tw_dir, "small.safetensors");
     tw_save(&f, p);
     tw_free(&f);
     df_tensor_set *s = NULL;
@@ -115,7 +97,7 @@ static void test_misaligned_header(void **state) {
     float a[3] = {1.5f, -2.5f, 3.5f};
     char data[16];
     memcpy(data, a, 12);
-    const char *p = tw_path(g_dir, "odd.safetensors");
+    const char *p = tw_path(tw_dir, "odd.safetensors");
     tw_save_raw(p, "{\"x\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}}", 1, data, 12);
     df_tensor_set *s = NULL;
     df_error err = {0};
@@ -130,7 +112,7 @@ static void test_misaligned_header(void **state) {
 static void test_header_errors(void **state) {
     (void)state;
     char data[64] = {0};
-    const char *p = tw_path(g_dir, "bad.safetensors");
+    const char *p = tw_path(tw_dir, "bad.safetensors");
     struct {
         const char *hdr;
         size_t len;
@@ -179,8 +161,8 @@ static void test_header_errors(void **state) {
 
 static void test_file_errors(void **state) {
     (void)state;
-    const char *p = tw_path(g_dir, "short.safetensors");
-    expect_open_error(tw_path(g_dir, "absent.safetensors"), DF_ERR_IO, "absent.safetensors",
+    const char *p = tw_path(tw_dir, "short.safetensors");
+    expect_open_error(tw_path(tw_dir, "absent.safetensors"), DF_ERR_IO, "absent.safetensors",
                       "cannot open");
     assert_int_equal(tu_write_file(p, "\x10\0\0", 3), 0);
     expect_open_error(p, DF_ERR_FORMAT, "short.safetensors", "too short for the 8-byte header");
@@ -202,7 +184,7 @@ static void test_file_errors(void **state) {
     assert_int_equal(df_tensors_count(s), 0);
     df_tensors_free(s);
     /* a folder is not a file */
-    expect_open_error(g_dir, DF_ERR_IO, "not a regular file", NULL);
+    expect_open_error(tw_dir, DF_ERR_IO, "not a regular file", NULL);
 }
 
 /* The tiny pack's file cut inside its data: a truncated file, naming the first cut tensor. */
@@ -211,7 +193,7 @@ static void test_truncated_pack_file(void **state) {
     size_t len;
     char *d = tu_read_file(tu_fixture("tiny-bonsai2/model.safetensors"), &len);
     assert_non_null(d);
-    const char *p = tw_path(g_dir, "model.safetensors");
+    const char *p = tw_path(tw_dir, "model.safetensors");
     assert_int_equal(tu_write_file(p, d, len - 1000), 0);
     expect_open_error(p, DF_ERR_FORMAT, "model.safetensors: file truncated",
                       "(tensor language_model.");
@@ -232,7 +214,7 @@ static void test_no_crash_on_corruption(void **state) {
     size_t len;
     json_t *h = tw_header(&f, &data, &len);
     char *hs = json_dumps(h, JSON_COMPACT);
-    const char *p = tw_path(g_dir, "fuzz.safetensors");
+    const char *p = tw_path(tw_dir, "fuzz.safetensors");
     tw_save_raw(p, hs, 8, data, len);
     size_t flen;
     uint8_t *full = (uint8_t *)tu_read_file(p, &flen);
@@ -282,7 +264,7 @@ static void test_no_crash_on_corruption(void **state) {
 static void test_open_dir(void **state) {
     (void)state;
     char sub[512];
-    snprintf(sub, sizeof sub, "%s/d1", g_dir);
+    snprintf(sub, sizeof sub, "%s/d1", tw_dir);
     assert_int_equal(mkdir(sub, 0700), 0);
     expect_dir_error(sub, DF_ERR_IO, "no model.safetensors", NULL);
     tw_file f;
@@ -299,7 +281,7 @@ static void test_open_dir(void **state) {
     assert_int_equal(df_tensors_open_dir(&s, sub, &err), DF_OK);
     assert_non_null(strstr(df_tensors_file_path(s, 0), "/model.safetensors"));
     df_tensors_free(s);
-    expect_dir_error(tw_path(g_dir, "nope"), DF_ERR_IO, "cannot open folder", NULL);
+    expect_dir_error(tw_path(tw_dir, "nope"), DF_ERR_IO, "cannot open folder", NULL);
     tw_free(&f);
 }
 
@@ -307,7 +289,7 @@ static void test_open_dir(void **state) {
 static void test_index(void **state) {
     (void)state;
     char sub[512];
-    snprintf(sub, sizeof sub, "%s/d2", g_dir);
+    snprintf(sub, sizeof sub, "%s/d2", tw_dir);
     assert_int_equal(mkdir(sub, 0700), 0);
     tw_file a = {0}, b = {0};
     tw_add(&a, "x", "F32", 1, (int64_t[]){2}, (float[]){1, 2});
@@ -415,5 +397,5 @@ int main(void) {
         cmocka_unit_test(test_index),
         cmocka_unit_test(test_f16_conversions),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tw_setup, tw_teardown);
 }
