@@ -11,6 +11,13 @@
  * the Hadamard manifest ("modules": path, block, embedding, signs). A tensor no part of the
  * architecture uses is an error naming it ("vision_tower.*" tensors are accepted and
  * left unbound: the vision tower is a separate module).
+ *
+ * Also accepted: model_type "qwen3_5_text" (a text-only HF config), "quantization_config"
+ * as the name of "quantization", rope fields under "rope_scaling", HF conv layout
+ * [C, 1, K]. Defaults when absent: head_dim = hidden/heads, conv kernel 4, rms_norm_eps 1e-6,
+ * max_position_embeddings 32768, rope_theta 1e7, partial_rotary_factor 0.25,
+ * mrope_section {rot/2, 0, 0} (plain partial RoPE), full_attention_interval 4. in_proj_a/b
+ * must be dense; Hadamard signs must be exactly +1/-1.
  */
 #ifndef DFLASH_PACK_H
 #define DFLASH_PACK_H
