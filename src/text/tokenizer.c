@@ -405,6 +405,60 @@ static df_status load_pretok_one(json_t *pt, const char **pattern, int *literal,
                         type ? type : "(none)");
 }
 
+/* Unicode White_Space, the set that `\s` means in Oniguruma (which tokenizers' regexes run
+ * on). PCRE2's `\s` with UCP also takes U+180E (kept in its `\h`), so the pattern's `\s` and
+ * `\S` are spelled out with this list before compiling. */
+#define WHITE_SPACE "\\t\\n\\x0b\\f\\r\\x20\\x85\\xa0\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
+
+/* Copies pattern with `\s` / `\S` (outside character classes; `\s` inside them too) replaced by
+ * WHITE_SPACE. Returns a malloc'd string or NULL when out of memory. */
+static char *spell_out_space(const char *pat) {
+    size_t n = strlen(pat), count = 0;
+    for (size_t i = 0; i < n; i++)
+        if (pat[i] == '\\') count++;
+    char *out = malloc(n + count * (sizeof WHITE_SPACE + 3) + 1);
+    if (!out) return NULL;
+    size_t o = 0;
+    int in_class = 0;
+    for (size_t i = 0; i < n;) {
+        char c = pat[i];
+        if (c == '\\' && i + 1 < n) {
+            char d = pat[i + 1];
+            const char *rep = NULL;
+            if (d == 's') rep = in_class ? WHITE_SPACE : "[" WHITE_SPACE "]";
+            else if (d == 'S' && !in_class) rep = "[^" WHITE_SPACE "]";
+            if (rep) {
+                memcpy(out + o, rep, strlen(rep));
+                o += strlen(rep);
+            } else {
+                out[o++] = c;
+                out[o++] = d;
+            }
+            i += 2;
+            continue;
+        }
+        if (!in_class && c == '[') { /* a ']' right after "[" or "[^" is a literal */
+            in_class = 1;
+            out[o++] = pat[i++];
+            if (i < n && pat[i] == '^') out[o++] = pat[i++];
+            if (i < n && pat[i] == ']') out[o++] = pat[i++];
+            continue;
+        }
+        if (in_class && c == '[' && i + 1 < n && pat[i + 1] == ':') { /* [:alpha:] */
+            const char *end = strstr(pat + i + 2, ":]");
+            size_t l = end ? (size_t)(end + 2 - (pat + i)) : 1;
+            memcpy(out + o, pat + i, l);
+            o += l;
+            i += l;
+            continue;
+        }
+        if (in_class && c == ']') in_class = 0;
+        out[o++] = pat[i++];
+    }
+    out[o] = 0;
+    return out;
+}
+
 static df_status load_pretok(df_tokenizer *tok, json_t *pt, df_error *err) {
     const char *pattern = NULL;
     int literal = 0, bytelevel = 0;
@@ -416,13 +470,16 @@ static df_status load_pretok(df_tokenizer *tok, json_t *pt, df_error *err) {
     if (!pattern) return DF_OK;
     int ec;
     PCRE2_SIZE eo;
-    tok->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
+    char *spelled = literal ? NULL : spell_out_space(pattern);
+    if (!literal && !spelled) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    tok->re = pcre2_compile((PCRE2_SPTR)(literal ? pattern : spelled), PCRE2_ZERO_TERMINATED,
                             PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0u), &ec, &eo, NULL);
+    free(spelled);
     if (!tok->re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(ec, msg, sizeof msg);
-        return df_error_set(err, DF_ERR_FORMAT, "pre_tokenizer regex does not compile at offset %zu: %s",
-                            (size_t)eo, (const char *)msg);
+        return df_error_set(err, DF_ERR_FORMAT, "pre_tokenizer regex /%s/ does not compile: %s (offset %zu after "
+                            "spelling out \\s)", pattern, (const char *)msg, (size_t)eo);
     }
     pcre2_jit_compile(tok->re, PCRE2_JIT_COMPLETE); /* optional: without JIT the interpreter runs */
     return DF_OK;
@@ -846,12 +903,20 @@ static int is_space_cp(utf8proc_int32_t c) {
            c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-/* Letters, marks of letters and numbers plus '_' (a "word" character for single_word). */
+/* A word character for single_word: the regex crate's Unicode `\w`, which tokenizers uses
+ * (`\w$` / `^\w` in added_vocabulary.rs): Alphabetic, marks, Nd, Pc and the joiners. Alphabetic
+ * is the letters, Nl and Other_Alphabetic; the latter is marks except the circled letters (So). */
 static int is_word_cp(utf8proc_int32_t c) {
-    if (c == '_') return 1;
-    utf8proc_category_t cat = utf8proc_category(c);
-    return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
-           (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+    switch (utf8proc_category(c)) {
+    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME: case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_PC:
+        return 1;
+    default:
+        return c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) || (c >= 0x1F130 && c <= 0x1F149) ||
+               (c >= 0x1F150 && c <= 0x1F169) || (c >= 0x1F170 && c <= 0x1F189);
+    }
 }
 
 /* The code point ending just before s[i] (s is valid UTF-8, i > 0). */
