@@ -466,6 +466,59 @@ static void test_string_merges(void **state) {
     df_tokenizer_free(tok);
 }
 
+/* lstrip / rstrip / single_word / normalized added tokens: the tiny tokenizer with the flags
+ * changed as the fixture's "added_flag_variant" says, against tokenizers' ids. (Decoded text is
+ * not compared: tokenizers runs added tokens through the ByteLevel decoder, which garbles a
+ * non-ASCII content such as "café"; dflash decodes an added token to its content.) */
+static void test_added_flag_variant(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *cases = json_load_file(tu_fixture("tiny-bonsai2-tokenizer-cases.json"), JSON_ALLOW_NUL, &je);
+    json_t *root = json_load_file(tu_fixture("tiny-bonsai2/tokenizer.json"), 0, &je);
+    assert_non_null(cases);
+    assert_non_null(root);
+    json_t *variant = json_object_get(cases, "added_flag_variant"), *changes = json_object_get(variant, "changes");
+    assert_true(json_array_size(changes) >= 5);
+    json_t *added = json_object_get(root, "added_tokens");
+    size_t applied = 0;
+    for (size_t i = 0; i < json_array_size(added); i++) {
+        json_t *a = json_array_get(added, i);
+        for (size_t k = 0; k < json_array_size(changes); k++) {
+            json_t *ch = json_array_get(changes, k);
+            if (strcmp(json_string_value(json_object_get(a, "content")),
+                       json_string_value(json_object_get(ch, "match"))) == 0) {
+                assert_int_equal(json_object_update(a, json_object_get(ch, "set")), 0);
+                applied++;
+            }
+        }
+    }
+    assert_int_equal(applied, json_array_size(changes));
+    char *text = json_dumps(root, JSON_COMPACT);
+    df_tokenizer *tok = NULL;
+    df_error err = {0};
+    assert_int_equal(df_tokenizer_load_json(&tok, text, strlen(text), &err), DF_OK);
+    json_t *list = json_object_get(variant, "cases");
+    assert_true(json_array_size(list) >= 10);
+    size_t failures = 0;
+    for (size_t c = 0; c < json_array_size(list); c++) {
+        json_t *cs = json_array_get(list, c), *jt = json_object_get(cs, "text"), *jids = json_object_get(cs, "ids");
+        size_t n = 0;
+        int32_t *ids = encode_ok(tok, json_string_value(jt), json_string_length(jt), 1, &n);
+        int same = n == json_array_size(jids);
+        for (size_t i = 0; same && i < n; i++) same = ids[i] == json_integer_value(json_array_get(jids, i));
+        if (!same) {
+            fprintf(stderr, "variant case %zu %s: ids differ\n", c, json_string_value(jt));
+            failures++;
+        }
+        free(ids);
+    }
+    assert_int_equal(failures, 0);
+    df_tokenizer_free(tok);
+    free(text);
+    json_decref(root);
+    json_decref(cases);
+}
+
 static df_status load_str(const char *json, df_error *err) {
     df_tokenizer *tok = NULL;
     df_status st = df_tokenizer_load_json(&tok, json, strlen(json), err);
@@ -529,6 +582,7 @@ int main(void) {
         cmocka_unit_test(test_empty_and_long_inputs),
         cmocka_unit_test(test_round_trip_nfc),
         cmocka_unit_test(test_string_merges),
+        cmocka_unit_test(test_added_flag_variant),
         cmocka_unit_test(test_load_errors),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
