@@ -15,6 +15,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
 #include <pcre2.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,7 +203,14 @@ struct df_tokenizer {
     int any_norm_added;
 
     pcre2_code *re; /* the Split regex; NULL: each stretch is one piece */
+
+    /* [n_ids] WHOLE_*: does BPE of the token's own bytes give back just this token? Filled
+     * lazily by encode (see bpe_piece). */
+    _Atomic unsigned char *whole;
 };
+
+enum { WHOLE_UNKNOWN = 0, WHOLE_YES = 1, WHOLE_NO = 2 };
+#define WHOLE_MAX 64 /* pieces up to this many bytes try the whole-token lookup */
 
 /* GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes
  * to U+0100.. in byte order. cp_to_byte is its inverse over U+0000..U+0143 (-1: none). */
@@ -255,6 +263,7 @@ void df_tokenizer_free(df_tokenizer *tok) {
     free(tok->piece_len);
     free(tok->flags);
     free(tok->pieces);
+    free((void *)tok->whole);
     strmap_free(&tok->vocab);
     free(tok->merges);
     for (size_t i = 0; i < tok->n_added; i++) free(tok->added[i].content);
@@ -609,8 +618,9 @@ static df_status load_model(df_tokenizer *tok, json_t *model, df_error *err) {
     tok->piece_off = calloc(n ? n : 1, sizeof *tok->piece_off);
     tok->piece_len = calloc(n ? n : 1, sizeof *tok->piece_len);
     tok->flags = calloc(n ? n : 1, 1);
+    tok->whole = calloc(n ? n : 1, sizeof *tok->whole);
     tok->pieces = malloc(key_bytes + json_object_size(vocab) + tok->n_added + 1); /* bytes + NULs */
-    if (!tok->piece_off || !tok->piece_len || !tok->flags || !tok->pieces ||
+    if (!tok->piece_off || !tok->piece_len || !tok->flags || !tok->whole || !tok->pieces ||
         strmap_init(&tok->vocab, json_object_size(vocab), key_bytes))
         return df_error_set(err, DF_ERR_NOMEM, "out of memory for a vocabulary of %zu ids", n);
 
@@ -793,24 +803,9 @@ static inline void push_pair(const df_tokenizer *tok, enc *e, size_t *nh, int32_
     if (m) heap_push(e->heap, nh, (uint64_t)m->rank << 32 | (uint32_t)pos, m->id);
 }
 
-/* BPE over one pre-tokenized piece of n bytes. */
-static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+/* The merge loop over one piece of n >= 2 bytes (tokenizers' Word::merge_all). */
+static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
     const df_tokenizer *tok = e->tok;
-    if (n == 0) return 0;
-    if (n == 1) {
-        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
-        return id >= 0 ? enc_push(e, id) : 0;
-    }
-    if (tok->ignore_merges) { /* a whole piece in the vocabulary is taken as is (tokenizers) */
-        char small[256];
-        char *s = 2 * n <= sizeof small ? small : malloc(2 * n);
-        if (!s) return -1;
-        size_t l = 0;
-        for (size_t i = 0; i < n; i++) l += cp_to_utf8(tok->byte_cp[p[i]], s + l);
-        int32_t id = strmap_get(&tok->vocab, s, l);
-        if (s != small) free(s);
-        if (id >= 0) return enc_push(e, id);
-    }
     if (n > e->scap) {
         size_t c = n < 64 ? 64 : n;
         free(e->sym);
@@ -860,6 +855,42 @@ static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
     for (int32_t i = 0; i >= 0; i = e->next[i])
         if (enc_push(e, e->sym[i])) return -1;
     return 0;
+}
+
+/* BPE over one pre-tokenized piece of n bytes. A piece that is itself a vocabulary token is
+ * looked up once (a hash probe instead of the merge loop's dozen): the first time a token is
+ * met, the merge loop runs and whether it yields exactly that token is remembered in
+ * tok->whole (relaxed atomics: every thread computes the same value). With ignore_merges
+ * (tokenizers' BPE option) a whole-piece token is taken without asking. */
+static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+    const df_tokenizer *tok = e->tok;
+    if (n == 0) return 0;
+    if (n == 1) {
+        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
+        return id >= 0 ? enc_push(e, id) : 0;
+    }
+    if (n <= WHOLE_MAX || tok->ignore_merges) {
+        char small[2 * WHOLE_MAX];
+        char *s = n <= WHOLE_MAX ? small : malloc(2 * n);
+        if (!s) return -1;
+        size_t l = 0;
+        for (size_t i = 0; i < n; i++) l += cp_to_utf8(tok->byte_cp[p[i]], s + l);
+        int32_t id = strmap_get(&tok->vocab, s, l);
+        if (s != small) free(s);
+        if (id >= 0) {
+            if (tok->ignore_merges) return enc_push(e, id);
+            unsigned char w = atomic_load_explicit(&tok->whole[id], memory_order_relaxed);
+            if (w == WHOLE_YES) return enc_push(e, id);
+            if (w == WHOLE_UNKNOWN) {
+                size_t before = e->n;
+                if (bpe_merge(e, p, n)) return -1;
+                w = e->n == before + 1 && e->ids[before] == id ? WHOLE_YES : WHOLE_NO;
+                atomic_store_explicit(&tok->whole[id], w, memory_order_relaxed);
+                return 0;
+            }
+        }
+    }
+    return bpe_merge(e, p, n);
 }
 
 /* Splits a (normalized) stretch with the pre-tokenizer regex and BPE-encodes the pieces. */
@@ -985,28 +1016,73 @@ static df_status encode_normalized(enc *e, const char *s, size_t n, int parse_sp
     return DF_OK;
 }
 
-/* Does NFC change anything here? Code points below U+0300 are NFC-stable and never compose
- * with each other (every composition's second character is at or above U+0300), so a text
- * whose bytes are all below 0xCC (no lead byte of U+0300 or above) is already NFC. */
-static int maybe_not_nfc(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] >= 0xCC) return 1;
+/* Is c "NFC-inert": unchanged by NFC and a safe place to cut a text for it? True when c has
+ * combining class 0, no canonical decomposition, and cannot be the second character of a
+ * canonical composition (those are all marks, or Hangul vowel / trailing jamo). Then
+ * NFC(x + c y) = NFC(x) + NFC(c y) and NFC keeps c itself. Code points below U+0300 are all
+ * inert. (Unicode 15 §3.11; UAX #15 §9, "stable code points".) */
+static int nfc_inert(utf8proc_int32_t c) {
+    if (c < 0x300) return 1;
+    if ((c >= 0x1161 && c <= 0x1175) || (c >= 0x11A8 && c <= 0x11C2)) return 0;
+    const utf8proc_property_t *p = utf8proc_get_property(c);
+    if (p->combining_class != 0) return 0;
+    if (p->decomp_seqindex != UINT16_MAX && p->decomp_type == 0) return 0; /* canonical mapping */
+    return p->category < UTF8PROC_CATEGORY_MN || p->category > UTF8PROC_CATEGORY_ME;
+}
+
+static int buf_append(char **b, size_t *n, size_t *cap, const char *s, size_t len) {
+    if (*n + len > *cap) {
+        size_t nc = 2 * (*n + len) + 64;
+        char *p = realloc(*b, nc);
+        if (!p) return -1;
+        *b = p;
+        *cap = nc;
+    }
+    memcpy(*b + *n, s, len);
+    *n += len;
     return 0;
 }
 
+/* NFC-normalises a stretch and encodes it. Only the runs of non-inert characters, each with the
+ * character before it (a starter they may compose with), go through utf8proc; the rest is
+ * already NFC and is copied (or, when the whole stretch is inert, used in place). */
 static df_status encode_stretch(enc *e, const char *s, size_t n, int parse_special) {
     if (n == 0) return DF_OK;
-    if (!e->tok->nfc || !maybe_not_nfc(s, n)) return encode_normalized(e, s, n, parse_special);
-    utf8proc_uint8_t *norm = NULL;
-    utf8proc_ssize_t nl = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &norm,
-                                       UTF8PROC_STABLE | UTF8PROC_COMPOSE);
-    if (nl < 0) {
+    if (!e->tok->nfc) return encode_normalized(e, s, n, parse_special);
+    char *out = NULL;
+    size_t on = 0, ocap = 0, copied = 0, prev = 0, i = 0;
+    df_status st = DF_OK;
+    while (i < n && !st) {
+        if ((unsigned char)s[i] < 0xCC) { /* below U+0300 (continuation bytes included) */
+            if (((unsigned char)s[i] & 0xC0) != 0x80) prev = i;
+            i++;
+            continue;
+        }
+        size_t l;
+        if (nfc_inert(cp_at(s, n, i, &l))) {
+            prev = i;
+            i += l;
+            continue;
+        }
+        size_t seg = i > copied ? prev : i, end = i + l;
+        while (end < n && !nfc_inert(cp_at(s, n, end, &l))) end += l;
+        utf8proc_uint8_t *norm = NULL;
+        utf8proc_ssize_t nl = utf8proc_map((const utf8proc_uint8_t *)s + seg, (utf8proc_ssize_t)(end - seg), &norm,
+                                           UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        if (nl < 0)
+            st = df_error_set(e->err, nl == UTF8PROC_ERROR_NOMEM ? DF_ERR_NOMEM : DF_ERR_INVALID_ARG,
+                              "NFC normalization failed: %s", utf8proc_errmsg(nl));
+        else if (buf_append(&out, &on, &ocap, s + copied, seg - copied) ||
+                 buf_append(&out, &on, &ocap, (const char *)norm, (size_t)nl))
+            st = df_error_set(e->err, DF_ERR_NOMEM, "out of memory");
         free(norm);
-        return df_error_set(e->err, nl == UTF8PROC_ERROR_NOMEM ? DF_ERR_NOMEM : DF_ERR_INVALID_ARG,
-                            "NFC normalization failed: %s", utf8proc_errmsg(nl));
+        copied = i = end;
     }
-    df_status st = encode_normalized(e, (const char *)norm, (size_t)nl, parse_special);
-    free(norm);
+    if (!st && !out) return encode_normalized(e, s, n, parse_special);
+    if (!st && buf_append(&out, &on, &ocap, s + copied, n - copied))
+        st = df_error_set(e->err, DF_ERR_NOMEM, "out of memory");
+    if (!st) st = encode_normalized(e, out, on, parse_special);
+    free(out);
     return st;
 }
 
