@@ -743,8 +743,22 @@ typedef struct enc {
     int32_t *sym, *prev, *next;
     heap_ent *heap;
     size_t scap;
+    struct piece_cache *cache; /* [cache_mask + 1], or NULL for short inputs */
+    uint32_t cache_mask;
     df_error *err;
 } enc;
+
+/* A per-call, direct-mapped cache of piece -> ids, sized to the input (up to 4096 entries of one
+ * cache line, 256 KB: it stays in L2 where the vocabulary and merge tables do not). Words repeat
+ * (Zipf), so most pieces of a long text are found here. Per call, so nothing is shared. */
+#define PC_KEY 26
+#define PC_IDS 8
+typedef struct piece_cache {
+    uint32_t hash;
+    uint8_t len, n; /* len 0: empty */
+    unsigned char key[PC_KEY];
+    int32_t ids[PC_IDS];
+} piece_cache;
 
 static int enc_push(enc *e, int32_t id) {
     if (e->n == e->cap) {
@@ -862,13 +876,8 @@ static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
  * met, the merge loop runs and whether it yields exactly that token is remembered in
  * tok->whole (relaxed atomics: every thread computes the same value). With ignore_merges
  * (tokenizers' BPE option) a whole-piece token is taken without asking. */
-static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+static int bpe_lookup(enc *e, const unsigned char *p, size_t n) {
     const df_tokenizer *tok = e->tok;
-    if (n == 0) return 0;
-    if (n == 1) {
-        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
-        return id >= 0 ? enc_push(e, id) : 0;
-    }
     if (n <= WHOLE_MAX || tok->ignore_merges) {
         char small[2 * WHOLE_MAX];
         char *s = n <= WHOLE_MAX ? small : malloc(2 * n);
@@ -891,6 +900,35 @@ static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
         }
     }
     return bpe_merge(e, p, n);
+}
+
+/* BPE over one pre-tokenized piece of n bytes, through the per-call cache. */
+static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+    const df_tokenizer *tok = e->tok;
+    if (n == 0) return 0;
+    if (n == 1) {
+        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
+        return id >= 0 ? enc_push(e, id) : 0;
+    }
+    if (!e->cache || n > PC_KEY) return bpe_lookup(e, p, n);
+    uint32_t h = str_hash((const char *)p, n);
+    piece_cache *c = &e->cache[h & e->cache_mask];
+    if (c->len == n && c->hash == h && memcmp(c->key, p, n) == 0) {
+        for (unsigned i = 0; i < c->n; i++)
+            if (enc_push(e, c->ids[i])) return -1;
+        return 0;
+    }
+    size_t before = e->n;
+    if (bpe_lookup(e, p, n)) return -1;
+    size_t got = e->n - before;
+    if (got <= PC_IDS) {
+        c->hash = h;
+        c->len = (uint8_t)n;
+        c->n = (uint8_t)got;
+        memcpy(c->key, p, n);
+        memcpy(c->ids, e->ids + before, got * sizeof *e->ids);
+    }
+    return 0;
 }
 
 /* Splits a (normalized) stretch with the pre-tokenizer regex and BPE-encodes the pieces. */
@@ -1099,6 +1137,12 @@ df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t 
     df_status st = DF_OK;
     if (tok->re && !(e.md = pcre2_match_data_create_from_pattern(tok->re, NULL)))
         st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    if (len >= 2048) { /* a cache pays off past a few hundred pieces */
+        size_t entries = 64;
+        while (entries < 4096 && entries * 16 < len) entries <<= 1;
+        e.cache = calloc(entries, sizeof *e.cache);
+        e.cache_mask = (uint32_t)(entries - 1); /* no cache (NULL) is fine too */
+    }
     if (!st && enc_push(&e, 0) == 0) e.n = 0; /* *ids is non-NULL even for empty output */
     else if (!st) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
     size_t pos = 0;
@@ -1113,6 +1157,7 @@ df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t 
     pcre2_match_data_free(e.md);
     free(e.sym);
     free(e.heap);
+    free(e.cache);
     if (st) {
         free(e.ids);
         return st;

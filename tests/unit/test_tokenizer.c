@@ -167,6 +167,42 @@ static void test_tiny_cases(void **state) {
     check_cases(g_tiny, "tiny-bonsai2-tokenizer-cases.json", 20);
 }
 
+/* A long input (which encode serves through its per-call piece cache) joined by <|endoftext|>
+ * must encode as the concatenation of its parts, each with the oracle ids. */
+static void test_long_input_matches_parts(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *root = json_load_file(tu_fixture("qwen3-tokenizer/cases.json"), 0, &je);
+    assert_non_null(root);
+    json_t *cases = json_object_get(root, "cases");
+    size_t cap = 1 << 16, tl = 0, ne = 0;
+    char *text = malloc(cap);
+    int32_t *expect = malloc(cap * sizeof *expect);
+    for (int round = 0; round < 4; round++) {
+        for (size_t c = 0; c < json_array_size(cases); c++) {
+            json_t *cs = json_array_get(cases, c), *jids = json_object_get(cs, "ids");
+            const char *t = json_string_value(json_object_get(cs, "text"));
+            size_t l = strlen(t);
+            assert_true(tl + l + 16 < cap && ne + json_array_size(jids) + 1 < cap);
+            memcpy(text + tl, t, l);
+            memcpy(text + tl + l, "<|endoftext|>", 13);
+            tl += l + 13;
+            for (size_t i = 0; i < json_array_size(jids); i++)
+                expect[ne++] = (int32_t)json_integer_value(json_array_get(jids, i));
+            expect[ne++] = 151643;
+        }
+    }
+    assert_true(tl > 4096);
+    size_t n = 0;
+    int32_t *ids = encode_ok(g_qwen3, text, tl, 1, &n);
+    assert_int_equal(n, ne);
+    assert_memory_equal(ids, expect, n * sizeof *ids);
+    free(ids);
+    free(expect);
+    free(text);
+    json_decref(root);
+}
+
 static void test_vocab_queries(void **state) {
     (void)state;
     assert_int_equal(df_tokenizer_vocab_size(g_qwen3), 151669);
@@ -572,6 +608,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qwen3_cases),
         cmocka_unit_test(test_tiny_cases),
+        cmocka_unit_test(test_long_input_matches_parts),
         cmocka_unit_test(test_vocab_queries),
         cmocka_unit_test(test_out_of_vocab_ids),
         cmocka_unit_test(test_skip_special),
