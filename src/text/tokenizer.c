@@ -1069,6 +1069,7 @@ static int nfc_inert(utf8proc_int32_t c) {
 }
 
 static int buf_append(char **b, size_t *n, size_t *cap, const char *s, size_t len) {
+    if (len == 0) return 0;
     if (*n + len > *cap) {
         size_t nc = 2 * (*n + len) + 64;
         char *p = realloc(*b, nc);
