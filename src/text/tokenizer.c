@@ -191,6 +191,7 @@ struct df_tokenizer {
     strmap vocab;       /* tokenizer.json spelling -> id */
     pair_slot *merges;  /* [1 << merge_bits] */
     unsigned merge_shift; /* 64 - merge_bits */
+    uint32_t merge_mask;  /* (1 << merge_bits) - 1 */
     int32_t byte_id[256]; /* id of the single byte-level symbol for each byte, -1 if none */
     uint16_t byte_cp[256]; /* the byte-level alphabet: code point of each byte */
     int32_t unk_id;       /* -1: none */
@@ -534,6 +535,7 @@ static df_status load_merges(df_tokenizer *tok, json_t *merges, df_error *err) {
     unsigned bits = 0;
     while (((size_t)1 << bits) < cap) bits++;
     tok->merge_shift = 64 - bits;
+    tok->merge_mask = (uint32_t)(cap - 1);
     tok->merges = malloc(cap * sizeof *tok->merges);
     char *buf = NULL;
     size_t buf_cap = 0;
@@ -730,9 +732,12 @@ df_status df_tokenizer_load(df_tokenizer **out, const char *path, df_error *err)
 /* Encoding                                                                                  */
 
 typedef struct heap_ent {
-    uint64_t key; /* rank << 32 | position: the min-heap order */
-    int32_t id;   /* the merged id this entry was made for */
+    uint64_t key;        /* rank << 32 | position: the min-heap order */
+    int32_t id;          /* the merged id this entry was made for */
+    int32_t left, right; /* the pair it was made for */
 } heap_ent;
+
+#define BPE_SMALL 128
 
 typedef struct enc {
     const df_tokenizer *tok;
@@ -743,6 +748,8 @@ typedef struct enc {
     int32_t *sym, *prev, *next;
     heap_ent *heap;
     size_t scap;
+    int32_t sym_small[3 * BPE_SMALL]; /* the scratch for pieces up to BPE_SMALL bytes, */
+    heap_ent heap_small[3 * BPE_SMALL]; /* so that short encodes do not allocate it */
     struct piece_cache *cache; /* [cache_mask + 1], or NULL for short inputs */
     uint32_t cache_mask;
     df_error *err;
@@ -774,15 +781,15 @@ static int enc_push(enc *e, int32_t id) {
 
 static inline const pair_slot *merge_get(const df_tokenizer *tok, int32_t a, int32_t b) {
     uint64_t key = pair_key(a, b);
-    uint32_t mask = (uint32_t)((1ull << (64 - tok->merge_shift)) - 1);
-    for (uint32_t h = pair_index(key, tok->merge_shift);; h = (h + 1) & mask) {
+    for (uint32_t h = pair_index(key, tok->merge_shift);; h = (h + 1) & tok->merge_mask) {
         const pair_slot *s = &tok->merges[h];
         if (s->id < 0) return NULL;
         if (s->key == key) return s;
     }
 }
 
-static void heap_push(heap_ent *h, size_t *n, uint64_t key, int32_t id) {
+static void heap_push(heap_ent *h, size_t *n, heap_ent ent) {
+    uint64_t key = ent.key;
     size_t i = (*n)++;
     while (i > 0) {
         size_t p = (i - 1) / 2;
@@ -790,8 +797,7 @@ static void heap_push(heap_ent *h, size_t *n, uint64_t key, int32_t id) {
         h[i] = h[p];
         i = p;
     }
-    h[i].key = key;
-    h[i].id = id;
+    h[i] = ent;
 }
 
 static heap_ent heap_pop(heap_ent *h, size_t *n) {
@@ -814,16 +820,18 @@ static inline void push_pair(const df_tokenizer *tok, enc *e, size_t *nh, int32_
     int32_t nx = e->next[pos];
     if (nx < 0) return;
     const pair_slot *m = merge_get(tok, e->sym[pos], e->sym[nx]);
-    if (m) heap_push(e->heap, nh, (uint64_t)m->rank << 32 | (uint32_t)pos, m->id);
+    if (m) heap_push(e->heap, nh, (heap_ent){(uint64_t)m->rank << 32 | (uint32_t)pos, m->id, e->sym[pos], e->sym[nx]});
 }
 
 /* The merge loop over one piece of n >= 2 bytes (tokenizers' Word::merge_all). */
 static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
     const df_tokenizer *tok = e->tok;
     if (n > e->scap) {
-        size_t c = n < 64 ? 64 : n;
-        free(e->sym);
-        free(e->heap);
+        size_t c = n;
+        if (e->sym != e->sym_small) {
+            free(e->sym);
+            free(e->heap);
+        }
         e->sym = malloc(3 * c * sizeof *e->sym);
         e->heap = malloc(3 * c * sizeof *e->heap);
         if (!e->sym || !e->heap) {
@@ -850,6 +858,8 @@ static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
     if (m == 0) return 0;
     e->next[m - 1] = -1;
     size_t nh = 0;
+    for (int32_t i = 0; i + 1 < m; i++) /* the table is large: start every probe's load at once */
+        __builtin_prefetch(&tok->merges[pair_index(pair_key(e->sym[i], e->sym[i + 1]), tok->merge_shift)]);
     for (int32_t i = 0; i + 1 < m; i++) push_pair(tok, e, &nh, i);
     while (nh) {
         heap_ent top = heap_pop(e->heap, &nh);
@@ -857,8 +867,10 @@ static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
         if (e->sym[pos] < 0) continue; /* merged away */
         int32_t nx = e->next[pos];
         if (nx < 0) continue;
-        const pair_slot *cur = merge_get(tok, e->sym[pos], e->sym[nx]);
-        if (!cur || cur->id != top.id) continue; /* stale entry */
+        if (e->sym[pos] != top.left || e->sym[nx] != top.right) { /* the pair changed: still valid? */
+            const pair_slot *cur = merge_get(tok, e->sym[pos], e->sym[nx]);
+            if (!cur || cur->id != top.id) continue; /* stale entry */
+        }
         e->sym[pos] = top.id;
         e->sym[nx] = -1;
         e->next[pos] = e->next[nx];
@@ -1134,37 +1146,44 @@ df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t 
     if (bad < len)
         return df_error_set(err, DF_ERR_INVALID_ARG, "encode: invalid UTF-8 at byte %zu (0x%02X)", bad,
                             (unsigned)(unsigned char)text[bad]);
-    enc e = {.tok = tok, .err = err};
+    enc enc_state = {.tok = tok, .err = err}, *e = &enc_state; /* about 11 KB of stack */
+    e->sym = e->sym_small;
+    e->prev = e->sym + BPE_SMALL;
+    e->next = e->sym + 2 * BPE_SMALL;
+    e->heap = e->heap_small;
+    e->scap = BPE_SMALL;
     df_status st = DF_OK;
-    if (tok->re && !(e.md = pcre2_match_data_create_from_pattern(tok->re, NULL)))
+    if (tok->re && !(e->md = pcre2_match_data_create_from_pattern(tok->re, NULL)))
         st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
     if (len >= 2048) { /* a cache pays off past a few hundred pieces */
         size_t entries = 64;
         while (entries < 4096 && entries * 16 < len) entries <<= 1;
-        e.cache = calloc(entries, sizeof *e.cache);
-        e.cache_mask = (uint32_t)(entries - 1); /* no cache (NULL) is fine too */
+        e->cache = calloc(entries, sizeof *e->cache);
+        e->cache_mask = (uint32_t)(entries - 1); /* no cache (NULL) is fine too */
     }
-    if (!st && enc_push(&e, 0) == 0) e.n = 0; /* *ids is non-NULL even for empty output */
+    if (!st && enc_push(e, 0) == 0) e->n = 0; /* *ids is non-NULL even for empty output */
     else if (!st) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
     size_t pos = 0;
     while (!st && pos < len) {
         size_t ms = len, me = len;
         const added_tok *a = find_added(tok, text, len, pos, pos, 0, parse_special, &ms, &me);
-        st = encode_stretch(&e, text + pos, ms - pos, parse_special);
+        st = encode_stretch(e, text + pos, ms - pos, parse_special);
         if (st || !a) break;
-        if (enc_push(&e, a->id)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
+        if (enc_push(e, a->id)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
         pos = me;
     }
-    pcre2_match_data_free(e.md);
-    free(e.sym);
-    free(e.heap);
-    free(e.cache);
+    pcre2_match_data_free(e->md);
+    if (e->sym != e->sym_small) {
+        free(e->sym);
+        free(e->heap);
+    }
+    free(e->cache);
     if (st) {
-        free(e.ids);
+        free(e->ids);
         return st;
     }
-    *ids = e.ids;
-    *n_ids = e.n;
+    *ids = e->ids;
+    *n_ids = e->n;
     return DF_OK;
 }
 
