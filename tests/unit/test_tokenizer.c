@@ -278,18 +278,14 @@ static void test_skip_special(void **state) {
     free(ids);
 }
 
-/* Byte tokens of the tiny vocabulary (single byte-level symbols). */
+/* The id of the vocabulary token whose piece is the single byte b (-1 if none). */
 static int32_t byte_token(const df_tokenizer *tok, unsigned char b) {
-    char s[3] = {0};
-    int32_t id = -1;
-    /* find by decoding: the vocabulary's one-byte pieces */
-    for (int32_t i = 0; i < df_tokenizer_vocab_size(tok) && id < 0; i++) {
+    for (int32_t i = 0; i < df_tokenizer_vocab_size(tok); i++) {
         size_t len;
         const char *p = df_tokenizer_piece(tok, i, &len);
-        if (len == 1 && (unsigned char)p[0] == b) id = i;
+        if (len == 1 && (unsigned char)p[0] == b) return i;
     }
-    (void)s;
-    return id;
+    return -1;
 }
 
 static void test_detok_split_sequence(void **state) {
