@@ -1020,8 +1020,8 @@ static utf8proc_int32_t cp_at(const char *s, size_t n, size_t i, size_t *len) {
 /* Finds the next added token of class `normalized` in s[from..n): leftmost, then longest
  * (aho-corasick LeftmostLongest, as tokenizers' AddedVocabulary). A single_word token next to a
  * word character is not taken and its bytes stay text. lstrip / rstrip widen the match over
- * whitespace, never below `floor`. Returns the token or NULL; *ms / *me: the matched span. */
-static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_t n, size_t from, size_t floor,
+ * whitespace, never below `from`. Returns the token or NULL; *ms / *me: the matched span. */
+static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_t n, size_t from,
                                    int normalized, int parse_special, size_t *ms, size_t *me) {
     const unsigned char *first = normalized ? tok->first_norm : tok->first_raw;
     for (size_t i = from; i < n; i++) {
@@ -1039,7 +1039,7 @@ static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_
                 }
             }
             if (a->lstrip)
-                while (st > floor && is_space_cp(cp_before(s, st, &l))) st -= l;
+                while (st > from && is_space_cp(cp_before(s, st, &l))) st -= l;
             if (a->rstrip)
                 while (en < n && is_space_cp(cp_at(s, n, en, &l))) en += l;
             *ms = st;
@@ -1056,7 +1056,7 @@ static df_status encode_normalized(enc *e, const char *s, size_t n, int parse_sp
     while (pos < n) {
         size_t ms = n, me = n;
         const added_tok *a =
-            e->tok->any_norm_added ? find_added(e->tok, s, n, pos, pos, 1, parse_special, &ms, &me) : NULL;
+            e->tok->any_norm_added ? find_added(e->tok, s, n, pos, 1, parse_special, &ms, &me) : NULL;
         df_status st = split_pieces(e, s + pos, ms - pos);
         if (st) return st;
         if (!a) break;
@@ -1166,7 +1166,7 @@ df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t 
     size_t pos = 0;
     while (!st && pos < len) {
         size_t ms = len, me = len;
-        const added_tok *a = find_added(tok, text, len, pos, pos, 0, parse_special, &ms, &me);
+        const added_tok *a = find_added(tok, text, len, pos, 0, parse_special, &ms, &me);
         st = encode_stretch(e, text + pos, ms - pos, parse_special);
         if (st || !a) break;
         if (enc_push(e, a->id)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
