@@ -16,8 +16,16 @@
  * bytes; added tokens decode to their content; invalid UTF-8 in the joined bytes becomes
  * U+FFFD (one per maximal invalid subpart, as Rust's from_utf8_lossy, which tokenizers uses).
  *
- * A loaded tokenizer is immutable: every function taking `const df_tokenizer *` may be called
- * from several threads at once.
+ * Agreement with tokenizers (0.23.2): every id of the oracle cases, and differential fuzzing of
+ * ~100k random texts, match, except where the Unicode tables differ: PCRE2 10.42 knows Unicode
+ * 14 (letters assigned later are "unassigned" to \p{L}) and tokenizers' NFC tables predate
+ * Unicode 11 (about 100 combining marks added since are not reordered by tokenizers; utf8proc
+ * reorders them as Unicode 15 says). `\s` means Unicode White_Space, as in Oniguruma.
+ * Decoding differs only for added tokens with non-ASCII content, which tokenizers runs through
+ * the ByteLevel decoder (garbling them) and dflash returns as written.
+ *
+ * A loaded tokenizer is logically immutable (the one lazily filled table uses atomics): every
+ * function taking `const df_tokenizer *` may be called from several threads at once.
  */
 #ifndef DFLASH_TOKENIZER_H
 #define DFLASH_TOKENIZER_H

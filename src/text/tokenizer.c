@@ -15,6 +15,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
 #include <pcre2.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -190,6 +191,7 @@ struct df_tokenizer {
     strmap vocab;       /* tokenizer.json spelling -> id */
     pair_slot *merges;  /* [1 << merge_bits] */
     unsigned merge_shift; /* 64 - merge_bits */
+    uint32_t merge_mask;  /* (1 << merge_bits) - 1 */
     int32_t byte_id[256]; /* id of the single byte-level symbol for each byte, -1 if none */
     uint16_t byte_cp[256]; /* the byte-level alphabet: code point of each byte */
     int32_t unk_id;       /* -1: none */
@@ -202,7 +204,14 @@ struct df_tokenizer {
     int any_norm_added;
 
     pcre2_code *re; /* the Split regex; NULL: each stretch is one piece */
+
+    /* [n_ids] WHOLE_*: does BPE of the token's own bytes give back just this token? Filled
+     * lazily by encode (see bpe_piece). */
+    _Atomic unsigned char *whole;
 };
+
+enum { WHOLE_UNKNOWN = 0, WHOLE_YES = 1, WHOLE_NO = 2 };
+#define WHOLE_MAX 64 /* pieces up to this many bytes try the whole-token lookup */
 
 /* GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes
  * to U+0100.. in byte order. cp_to_byte is its inverse over U+0000..U+0143 (-1: none). */
@@ -255,6 +264,7 @@ void df_tokenizer_free(df_tokenizer *tok) {
     free(tok->piece_len);
     free(tok->flags);
     free(tok->pieces);
+    free((void *)tok->whole);
     strmap_free(&tok->vocab);
     free(tok->merges);
     for (size_t i = 0; i < tok->n_added; i++) free(tok->added[i].content);
@@ -405,6 +415,60 @@ static df_status load_pretok_one(json_t *pt, const char **pattern, int *literal,
                         type ? type : "(none)");
 }
 
+/* Unicode White_Space, the set that `\s` means in Oniguruma (which tokenizers' regexes run
+ * on). PCRE2's `\s` with UCP also takes U+180E (kept in its `\h`), so the pattern's `\s` and
+ * `\S` are spelled out with this list before compiling. */
+#define WHITE_SPACE "\\t\\n\\x0b\\f\\r\\x20\\x85\\xa0\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
+
+/* Copies pattern with `\s` / `\S` (outside character classes; `\s` inside them too) replaced by
+ * WHITE_SPACE. Returns a malloc'd string or NULL when out of memory. */
+static char *spell_out_space(const char *pat) {
+    size_t n = strlen(pat), count = 0;
+    for (size_t i = 0; i < n; i++)
+        if (pat[i] == '\\') count++;
+    char *out = malloc(n + count * (sizeof WHITE_SPACE + 3) + 1);
+    if (!out) return NULL;
+    size_t o = 0;
+    int in_class = 0;
+    for (size_t i = 0; i < n;) {
+        char c = pat[i];
+        if (c == '\\' && i + 1 < n) {
+            char d = pat[i + 1];
+            const char *rep = NULL;
+            if (d == 's') rep = in_class ? WHITE_SPACE : "[" WHITE_SPACE "]";
+            else if (d == 'S' && !in_class) rep = "[^" WHITE_SPACE "]";
+            if (rep) {
+                memcpy(out + o, rep, strlen(rep));
+                o += strlen(rep);
+            } else {
+                out[o++] = c;
+                out[o++] = d;
+            }
+            i += 2;
+            continue;
+        }
+        if (!in_class && c == '[') { /* a ']' right after "[" or "[^" is a literal */
+            in_class = 1;
+            out[o++] = pat[i++];
+            if (i < n && pat[i] == '^') out[o++] = pat[i++];
+            if (i < n && pat[i] == ']') out[o++] = pat[i++];
+            continue;
+        }
+        if (in_class && c == '[' && i + 1 < n && pat[i + 1] == ':') { /* [:alpha:] */
+            const char *end = strstr(pat + i + 2, ":]");
+            size_t l = end ? (size_t)(end + 2 - (pat + i)) : 1;
+            memcpy(out + o, pat + i, l);
+            o += l;
+            i += l;
+            continue;
+        }
+        if (in_class && c == ']') in_class = 0;
+        out[o++] = pat[i++];
+    }
+    out[o] = 0;
+    return out;
+}
+
 static df_status load_pretok(df_tokenizer *tok, json_t *pt, df_error *err) {
     const char *pattern = NULL;
     int literal = 0, bytelevel = 0;
@@ -416,13 +480,16 @@ static df_status load_pretok(df_tokenizer *tok, json_t *pt, df_error *err) {
     if (!pattern) return DF_OK;
     int ec;
     PCRE2_SIZE eo;
-    tok->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
+    char *spelled = literal ? NULL : spell_out_space(pattern);
+    if (!literal && !spelled) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    tok->re = pcre2_compile((PCRE2_SPTR)(literal ? pattern : spelled), PCRE2_ZERO_TERMINATED,
                             PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0u), &ec, &eo, NULL);
+    free(spelled);
     if (!tok->re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(ec, msg, sizeof msg);
-        return df_error_set(err, DF_ERR_FORMAT, "pre_tokenizer regex does not compile at offset %zu: %s",
-                            (size_t)eo, (const char *)msg);
+        return df_error_set(err, DF_ERR_FORMAT, "pre_tokenizer regex /%s/ does not compile: %s (offset %zu after "
+                            "spelling out \\s)", pattern, (const char *)msg, (size_t)eo);
     }
     pcre2_jit_compile(tok->re, PCRE2_JIT_COMPLETE); /* optional: without JIT the interpreter runs */
     return DF_OK;
@@ -468,6 +535,7 @@ static df_status load_merges(df_tokenizer *tok, json_t *merges, df_error *err) {
     unsigned bits = 0;
     while (((size_t)1 << bits) < cap) bits++;
     tok->merge_shift = 64 - bits;
+    tok->merge_mask = (uint32_t)(cap - 1);
     tok->merges = malloc(cap * sizeof *tok->merges);
     char *buf = NULL;
     size_t buf_cap = 0;
@@ -552,8 +620,9 @@ static df_status load_model(df_tokenizer *tok, json_t *model, df_error *err) {
     tok->piece_off = calloc(n ? n : 1, sizeof *tok->piece_off);
     tok->piece_len = calloc(n ? n : 1, sizeof *tok->piece_len);
     tok->flags = calloc(n ? n : 1, 1);
+    tok->whole = calloc(n ? n : 1, sizeof *tok->whole);
     tok->pieces = malloc(key_bytes + json_object_size(vocab) + tok->n_added + 1); /* bytes + NULs */
-    if (!tok->piece_off || !tok->piece_len || !tok->flags || !tok->pieces ||
+    if (!tok->piece_off || !tok->piece_len || !tok->flags || !tok->whole || !tok->pieces ||
         strmap_init(&tok->vocab, json_object_size(vocab), key_bytes))
         return df_error_set(err, DF_ERR_NOMEM, "out of memory for a vocabulary of %zu ids", n);
 
@@ -663,9 +732,12 @@ df_status df_tokenizer_load(df_tokenizer **out, const char *path, df_error *err)
 /* Encoding                                                                                  */
 
 typedef struct heap_ent {
-    uint64_t key; /* rank << 32 | position: the min-heap order */
-    int32_t id;   /* the merged id this entry was made for */
+    uint64_t key;        /* rank << 32 | position: the min-heap order */
+    int32_t id;          /* the merged id this entry was made for */
+    int32_t left, right; /* the pair it was made for */
 } heap_ent;
+
+#define BPE_SMALL 128
 
 typedef struct enc {
     const df_tokenizer *tok;
@@ -676,8 +748,24 @@ typedef struct enc {
     int32_t *sym, *prev, *next;
     heap_ent *heap;
     size_t scap;
+    int32_t sym_small[3 * BPE_SMALL]; /* the scratch for pieces up to BPE_SMALL bytes, */
+    heap_ent heap_small[3 * BPE_SMALL]; /* so that short encodes do not allocate it */
+    struct piece_cache *cache; /* [cache_mask + 1], or NULL for short inputs */
+    uint32_t cache_mask;
     df_error *err;
 } enc;
+
+/* A per-call, direct-mapped cache of piece -> ids, sized to the input (up to 4096 entries of one
+ * cache line, 256 KB: it stays in L2 where the vocabulary and merge tables do not). Words repeat
+ * (Zipf), so most pieces of a long text are found here. Per call, so nothing is shared. */
+#define PC_KEY 26
+#define PC_IDS 8
+typedef struct piece_cache {
+    uint32_t hash;
+    uint8_t len, n; /* len 0: empty */
+    unsigned char key[PC_KEY];
+    int32_t ids[PC_IDS];
+} piece_cache;
 
 static int enc_push(enc *e, int32_t id) {
     if (e->n == e->cap) {
@@ -693,15 +781,15 @@ static int enc_push(enc *e, int32_t id) {
 
 static inline const pair_slot *merge_get(const df_tokenizer *tok, int32_t a, int32_t b) {
     uint64_t key = pair_key(a, b);
-    uint32_t mask = (uint32_t)((1ull << (64 - tok->merge_shift)) - 1);
-    for (uint32_t h = pair_index(key, tok->merge_shift);; h = (h + 1) & mask) {
+    for (uint32_t h = pair_index(key, tok->merge_shift);; h = (h + 1) & tok->merge_mask) {
         const pair_slot *s = &tok->merges[h];
         if (s->id < 0) return NULL;
         if (s->key == key) return s;
     }
 }
 
-static void heap_push(heap_ent *h, size_t *n, uint64_t key, int32_t id) {
+static void heap_push(heap_ent *h, size_t *n, heap_ent ent) {
+    uint64_t key = ent.key;
     size_t i = (*n)++;
     while (i > 0) {
         size_t p = (i - 1) / 2;
@@ -709,8 +797,7 @@ static void heap_push(heap_ent *h, size_t *n, uint64_t key, int32_t id) {
         h[i] = h[p];
         i = p;
     }
-    h[i].key = key;
-    h[i].id = id;
+    h[i] = ent;
 }
 
 static heap_ent heap_pop(heap_ent *h, size_t *n) {
@@ -733,31 +820,18 @@ static inline void push_pair(const df_tokenizer *tok, enc *e, size_t *nh, int32_
     int32_t nx = e->next[pos];
     if (nx < 0) return;
     const pair_slot *m = merge_get(tok, e->sym[pos], e->sym[nx]);
-    if (m) heap_push(e->heap, nh, (uint64_t)m->rank << 32 | (uint32_t)pos, m->id);
+    if (m) heap_push(e->heap, nh, (heap_ent){(uint64_t)m->rank << 32 | (uint32_t)pos, m->id, e->sym[pos], e->sym[nx]});
 }
 
-/* BPE over one pre-tokenized piece of n bytes. */
-static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+/* The merge loop over one piece of n >= 2 bytes (tokenizers' Word::merge_all). */
+static int bpe_merge(enc *e, const unsigned char *p, size_t n) {
     const df_tokenizer *tok = e->tok;
-    if (n == 0) return 0;
-    if (n == 1) {
-        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
-        return id >= 0 ? enc_push(e, id) : 0;
-    }
-    if (tok->ignore_merges) { /* a whole piece in the vocabulary is taken as is (tokenizers) */
-        char small[256];
-        char *s = 2 * n <= sizeof small ? small : malloc(2 * n);
-        if (!s) return -1;
-        size_t l = 0;
-        for (size_t i = 0; i < n; i++) l += cp_to_utf8(tok->byte_cp[p[i]], s + l);
-        int32_t id = strmap_get(&tok->vocab, s, l);
-        if (s != small) free(s);
-        if (id >= 0) return enc_push(e, id);
-    }
     if (n > e->scap) {
-        size_t c = n < 64 ? 64 : n;
-        free(e->sym);
-        free(e->heap);
+        size_t c = n;
+        if (e->sym != e->sym_small) {
+            free(e->sym);
+            free(e->heap);
+        }
         e->sym = malloc(3 * c * sizeof *e->sym);
         e->heap = malloc(3 * c * sizeof *e->heap);
         if (!e->sym || !e->heap) {
@@ -784,6 +858,8 @@ static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
     if (m == 0) return 0;
     e->next[m - 1] = -1;
     size_t nh = 0;
+    for (int32_t i = 0; i + 1 < m; i++) /* the table is large: start every probe's load at once */
+        __builtin_prefetch(&tok->merges[pair_index(pair_key(e->sym[i], e->sym[i + 1]), tok->merge_shift)]);
     for (int32_t i = 0; i + 1 < m; i++) push_pair(tok, e, &nh, i);
     while (nh) {
         heap_ent top = heap_pop(e->heap, &nh);
@@ -791,8 +867,10 @@ static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
         if (e->sym[pos] < 0) continue; /* merged away */
         int32_t nx = e->next[pos];
         if (nx < 0) continue;
-        const pair_slot *cur = merge_get(tok, e->sym[pos], e->sym[nx]);
-        if (!cur || cur->id != top.id) continue; /* stale entry */
+        if (e->sym[pos] != top.left || e->sym[nx] != top.right) { /* the pair changed: still valid? */
+            const pair_slot *cur = merge_get(tok, e->sym[pos], e->sym[nx]);
+            if (!cur || cur->id != top.id) continue; /* stale entry */
+        }
         e->sym[pos] = top.id;
         e->sym[nx] = -1;
         e->next[pos] = e->next[nx];
@@ -802,6 +880,66 @@ static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
     }
     for (int32_t i = 0; i >= 0; i = e->next[i])
         if (enc_push(e, e->sym[i])) return -1;
+    return 0;
+}
+
+/* BPE over one pre-tokenized piece of n bytes. A piece that is itself a vocabulary token is
+ * looked up once (a hash probe instead of the merge loop's dozen): the first time a token is
+ * met, the merge loop runs and whether it yields exactly that token is remembered in
+ * tok->whole (relaxed atomics: every thread computes the same value). With ignore_merges
+ * (tokenizers' BPE option) a whole-piece token is taken without asking. */
+static int bpe_lookup(enc *e, const unsigned char *p, size_t n) {
+    const df_tokenizer *tok = e->tok;
+    if (n <= WHOLE_MAX || tok->ignore_merges) {
+        char small[2 * WHOLE_MAX];
+        char *s = n <= WHOLE_MAX ? small : malloc(2 * n);
+        if (!s) return -1;
+        size_t l = 0;
+        for (size_t i = 0; i < n; i++) l += cp_to_utf8(tok->byte_cp[p[i]], s + l);
+        int32_t id = strmap_get(&tok->vocab, s, l);
+        if (s != small) free(s);
+        if (id >= 0) {
+            if (tok->ignore_merges) return enc_push(e, id);
+            unsigned char w = atomic_load_explicit(&tok->whole[id], memory_order_relaxed);
+            if (w == WHOLE_YES) return enc_push(e, id);
+            if (w == WHOLE_UNKNOWN) {
+                size_t before = e->n;
+                if (bpe_merge(e, p, n)) return -1;
+                w = e->n == before + 1 && e->ids[before] == id ? WHOLE_YES : WHOLE_NO;
+                atomic_store_explicit(&tok->whole[id], w, memory_order_relaxed);
+                return 0;
+            }
+        }
+    }
+    return bpe_merge(e, p, n);
+}
+
+/* BPE over one pre-tokenized piece of n bytes, through the per-call cache. */
+static int bpe_piece(enc *e, const unsigned char *p, size_t n) {
+    const df_tokenizer *tok = e->tok;
+    if (n == 0) return 0;
+    if (n == 1) {
+        int32_t id = tok->byte_id[p[0]] >= 0 ? tok->byte_id[p[0]] : tok->unk_id;
+        return id >= 0 ? enc_push(e, id) : 0;
+    }
+    if (!e->cache || n > PC_KEY) return bpe_lookup(e, p, n);
+    uint32_t h = str_hash((const char *)p, n);
+    piece_cache *c = &e->cache[h & e->cache_mask];
+    if (c->len == n && c->hash == h && memcmp(c->key, p, n) == 0) {
+        for (unsigned i = 0; i < c->n; i++)
+            if (enc_push(e, c->ids[i])) return -1;
+        return 0;
+    }
+    size_t before = e->n;
+    if (bpe_lookup(e, p, n)) return -1;
+    size_t got = e->n - before;
+    if (got <= PC_IDS) {
+        c->hash = h;
+        c->len = (uint8_t)n;
+        c->n = (uint8_t)got;
+        memcpy(c->key, p, n);
+        memcpy(c->ids, e->ids + before, got * sizeof *e->ids);
+    }
     return 0;
 }
 
@@ -846,12 +984,20 @@ static int is_space_cp(utf8proc_int32_t c) {
            c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-/* Letters, marks of letters and numbers plus '_' (a "word" character for single_word). */
+/* A word character for single_word: the regex crate's Unicode `\w`, which tokenizers uses
+ * (`\w$` / `^\w` in added_vocabulary.rs): Alphabetic, marks, Nd, Pc and the joiners. Alphabetic
+ * is the letters, Nl and Other_Alphabetic; the latter is marks except the circled letters (So). */
 static int is_word_cp(utf8proc_int32_t c) {
-    if (c == '_') return 1;
-    utf8proc_category_t cat = utf8proc_category(c);
-    return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
-           (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+    switch (utf8proc_category(c)) {
+    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME: case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_PC:
+        return 1;
+    default:
+        return c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) || (c >= 0x1F130 && c <= 0x1F149) ||
+               (c >= 0x1F150 && c <= 0x1F169) || (c >= 0x1F170 && c <= 0x1F189);
+    }
 }
 
 /* The code point ending just before s[i] (s is valid UTF-8, i > 0). */
@@ -874,8 +1020,8 @@ static utf8proc_int32_t cp_at(const char *s, size_t n, size_t i, size_t *len) {
 /* Finds the next added token of class `normalized` in s[from..n): leftmost, then longest
  * (aho-corasick LeftmostLongest, as tokenizers' AddedVocabulary). A single_word token next to a
  * word character is not taken and its bytes stay text. lstrip / rstrip widen the match over
- * whitespace, never below `floor`. Returns the token or NULL; *ms / *me: the matched span. */
-static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_t n, size_t from, size_t floor,
+ * whitespace, never below `from`. Returns the token or NULL; *ms / *me: the matched span. */
+static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_t n, size_t from,
                                    int normalized, int parse_special, size_t *ms, size_t *me) {
     const unsigned char *first = normalized ? tok->first_norm : tok->first_raw;
     for (size_t i = from; i < n; i++) {
@@ -893,7 +1039,7 @@ static const added_tok *find_added(const df_tokenizer *tok, const char *s, size_
                 }
             }
             if (a->lstrip)
-                while (st > floor && is_space_cp(cp_before(s, st, &l))) st -= l;
+                while (st > from && is_space_cp(cp_before(s, st, &l))) st -= l;
             if (a->rstrip)
                 while (en < n && is_space_cp(cp_at(s, n, en, &l))) en += l;
             *ms = st;
@@ -910,7 +1056,7 @@ static df_status encode_normalized(enc *e, const char *s, size_t n, int parse_sp
     while (pos < n) {
         size_t ms = n, me = n;
         const added_tok *a =
-            e->tok->any_norm_added ? find_added(e->tok, s, n, pos, pos, 1, parse_special, &ms, &me) : NULL;
+            e->tok->any_norm_added ? find_added(e->tok, s, n, pos, 1, parse_special, &ms, &me) : NULL;
         df_status st = split_pieces(e, s + pos, ms - pos);
         if (st) return st;
         if (!a) break;
@@ -920,28 +1066,74 @@ static df_status encode_normalized(enc *e, const char *s, size_t n, int parse_sp
     return DF_OK;
 }
 
-/* Does NFC change anything here? Code points below U+0300 are NFC-stable and never compose
- * with each other (every composition's second character is at or above U+0300), so a text
- * whose bytes are all below 0xCC (no lead byte of U+0300 or above) is already NFC. */
-static int maybe_not_nfc(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] >= 0xCC) return 1;
+/* Is c "NFC-inert": unchanged by NFC and a safe place to cut a text for it? True when c has
+ * combining class 0, no canonical decomposition, and cannot be the second character of a
+ * canonical composition (those are all marks, or Hangul vowel / trailing jamo). Then
+ * NFC(x + c y) = NFC(x) + NFC(c y) and NFC keeps c itself. Code points below U+0300 are all
+ * inert. (Unicode 15 §3.11; UAX #15 §9, "stable code points".) */
+static int nfc_inert(utf8proc_int32_t c) {
+    if (c < 0x300) return 1;
+    if ((c >= 0x1161 && c <= 0x1175) || (c >= 0x11A8 && c <= 0x11C2)) return 0;
+    const utf8proc_property_t *p = utf8proc_get_property(c);
+    if (p->combining_class != 0) return 0;
+    if (p->decomp_seqindex != UINT16_MAX && p->decomp_type == 0) return 0; /* canonical mapping */
+    return p->category < UTF8PROC_CATEGORY_MN || p->category > UTF8PROC_CATEGORY_ME;
+}
+
+static int buf_append(char **b, size_t *n, size_t *cap, const char *s, size_t len) {
+    if (len == 0) return 0;
+    if (*n + len > *cap) {
+        size_t nc = 2 * (*n + len) + 64;
+        char *p = realloc(*b, nc);
+        if (!p) return -1;
+        *b = p;
+        *cap = nc;
+    }
+    memcpy(*b + *n, s, len);
+    *n += len;
     return 0;
 }
 
+/* NFC-normalises a stretch and encodes it. Only the runs of non-inert characters, each with the
+ * character before it (a starter they may compose with), go through utf8proc; the rest is
+ * already NFC and is copied (or, when the whole stretch is inert, used in place). */
 static df_status encode_stretch(enc *e, const char *s, size_t n, int parse_special) {
     if (n == 0) return DF_OK;
-    if (!e->tok->nfc || !maybe_not_nfc(s, n)) return encode_normalized(e, s, n, parse_special);
-    utf8proc_uint8_t *norm = NULL;
-    utf8proc_ssize_t nl = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &norm,
-                                       UTF8PROC_STABLE | UTF8PROC_COMPOSE);
-    if (nl < 0) {
+    if (!e->tok->nfc) return encode_normalized(e, s, n, parse_special);
+    char *out = NULL;
+    size_t on = 0, ocap = 0, copied = 0, prev = 0, i = 0;
+    df_status st = DF_OK;
+    while (i < n && !st) {
+        if ((unsigned char)s[i] < 0xCC) { /* below U+0300 (continuation bytes included) */
+            if (((unsigned char)s[i] & 0xC0) != 0x80) prev = i;
+            i++;
+            continue;
+        }
+        size_t l;
+        if (nfc_inert(cp_at(s, n, i, &l))) {
+            prev = i;
+            i += l;
+            continue;
+        }
+        size_t seg = i > copied ? prev : i, end = i + l;
+        while (end < n && !nfc_inert(cp_at(s, n, end, &l))) end += l;
+        utf8proc_uint8_t *norm = NULL;
+        utf8proc_ssize_t nl = utf8proc_map((const utf8proc_uint8_t *)s + seg, (utf8proc_ssize_t)(end - seg), &norm,
+                                           UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        if (nl < 0)
+            st = df_error_set(e->err, nl == UTF8PROC_ERROR_NOMEM ? DF_ERR_NOMEM : DF_ERR_INVALID_ARG,
+                              "NFC normalization failed: %s", utf8proc_errmsg(nl));
+        else if (buf_append(&out, &on, &ocap, s + copied, seg - copied) ||
+                 buf_append(&out, &on, &ocap, (const char *)norm, (size_t)nl))
+            st = df_error_set(e->err, DF_ERR_NOMEM, "out of memory");
         free(norm);
-        return df_error_set(e->err, nl == UTF8PROC_ERROR_NOMEM ? DF_ERR_NOMEM : DF_ERR_INVALID_ARG,
-                            "NFC normalization failed: %s", utf8proc_errmsg(nl));
+        copied = i = end;
     }
-    df_status st = encode_normalized(e, (const char *)norm, (size_t)nl, parse_special);
-    free(norm);
+    if (!st && !out) return encode_normalized(e, s, n, parse_special);
+    if (!st && buf_append(&out, &on, &ocap, s + copied, n - copied))
+        st = df_error_set(e->err, DF_ERR_NOMEM, "out of memory");
+    if (!st) st = encode_normalized(e, out, on, parse_special);
+    free(out);
     return st;
 }
 
@@ -954,30 +1146,44 @@ df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t 
     if (bad < len)
         return df_error_set(err, DF_ERR_INVALID_ARG, "encode: invalid UTF-8 at byte %zu (0x%02X)", bad,
                             (unsigned)(unsigned char)text[bad]);
-    enc e = {.tok = tok, .err = err};
+    enc enc_state = {.tok = tok, .err = err}, *e = &enc_state; /* about 11 KB of stack */
+    e->sym = e->sym_small;
+    e->prev = e->sym + BPE_SMALL;
+    e->next = e->sym + 2 * BPE_SMALL;
+    e->heap = e->heap_small;
+    e->scap = BPE_SMALL;
     df_status st = DF_OK;
-    if (tok->re && !(e.md = pcre2_match_data_create_from_pattern(tok->re, NULL)))
+    if (tok->re && !(e->md = pcre2_match_data_create_from_pattern(tok->re, NULL)))
         st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
-    if (!st && enc_push(&e, 0) == 0) e.n = 0; /* *ids is non-NULL even for empty output */
+    if (len >= 2048) { /* a cache pays off past a few hundred pieces */
+        size_t entries = 64;
+        while (entries < 4096 && entries * 16 < len) entries <<= 1;
+        e->cache = calloc(entries, sizeof *e->cache);
+        e->cache_mask = (uint32_t)(entries - 1); /* no cache (NULL) is fine too */
+    }
+    if (!st && enc_push(e, 0) == 0) e->n = 0; /* *ids is non-NULL even for empty output */
     else if (!st) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
     size_t pos = 0;
     while (!st && pos < len) {
         size_t ms = len, me = len;
-        const added_tok *a = find_added(tok, text, len, pos, pos, 0, parse_special, &ms, &me);
-        st = encode_stretch(&e, text + pos, ms - pos, parse_special);
+        const added_tok *a = find_added(tok, text, len, pos, 0, parse_special, &ms, &me);
+        st = encode_stretch(e, text + pos, ms - pos, parse_special);
         if (st || !a) break;
-        if (enc_push(&e, a->id)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
+        if (enc_push(e, a->id)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
         pos = me;
     }
-    pcre2_match_data_free(e.md);
-    free(e.sym);
-    free(e.heap);
+    pcre2_match_data_free(e->md);
+    if (e->sym != e->sym_small) {
+        free(e->sym);
+        free(e->heap);
+    }
+    free(e->cache);
     if (st) {
-        free(e.ids);
+        free(e->ids);
         return st;
     }
-    *ids = e.ids;
-    *n_ids = e.n;
+    *ids = e->ids;
+    *n_ids = e->n;
     return DF_OK;
 }
 

@@ -167,6 +167,42 @@ static void test_tiny_cases(void **state) {
     check_cases(g_tiny, "tiny-bonsai2-tokenizer-cases.json", 20);
 }
 
+/* A long input (which encode serves through its per-call piece cache) joined by <|endoftext|>
+ * must encode as the concatenation of its parts, each with the oracle ids. */
+static void test_long_input_matches_parts(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *root = json_load_file(tu_fixture("qwen3-tokenizer/cases.json"), 0, &je);
+    assert_non_null(root);
+    json_t *cases = json_object_get(root, "cases");
+    size_t cap = 1 << 16, tl = 0, ne = 0;
+    char *text = malloc(cap);
+    int32_t *expect = malloc(cap * sizeof *expect);
+    for (int round = 0; round < 4; round++) {
+        for (size_t c = 0; c < json_array_size(cases); c++) {
+            json_t *cs = json_array_get(cases, c), *jids = json_object_get(cs, "ids");
+            const char *t = json_string_value(json_object_get(cs, "text"));
+            size_t l = strlen(t);
+            assert_true(tl + l + 16 < cap && ne + json_array_size(jids) + 1 < cap);
+            memcpy(text + tl, t, l);
+            memcpy(text + tl + l, "<|endoftext|>", 13);
+            tl += l + 13;
+            for (size_t i = 0; i < json_array_size(jids); i++)
+                expect[ne++] = (int32_t)json_integer_value(json_array_get(jids, i));
+            expect[ne++] = 151643;
+        }
+    }
+    assert_true(tl > 4096);
+    size_t n = 0;
+    int32_t *ids = encode_ok(g_qwen3, text, tl, 1, &n);
+    assert_int_equal(n, ne);
+    assert_memory_equal(ids, expect, n * sizeof *ids);
+    free(ids);
+    free(expect);
+    free(text);
+    json_decref(root);
+}
+
 static void test_vocab_queries(void **state) {
     (void)state;
     assert_int_equal(df_tokenizer_vocab_size(g_qwen3), 151669);
@@ -242,18 +278,14 @@ static void test_skip_special(void **state) {
     free(ids);
 }
 
-/* Byte tokens of the tiny vocabulary (single byte-level symbols). */
+/* The id of the vocabulary token whose piece is the single byte b (-1 if none). */
 static int32_t byte_token(const df_tokenizer *tok, unsigned char b) {
-    char s[3] = {0};
-    int32_t id = -1;
-    /* find by decoding: the vocabulary's one-byte pieces */
-    for (int32_t i = 0; i < df_tokenizer_vocab_size(tok) && id < 0; i++) {
+    for (int32_t i = 0; i < df_tokenizer_vocab_size(tok); i++) {
         size_t len;
         const char *p = df_tokenizer_piece(tok, i, &len);
-        if (len == 1 && (unsigned char)p[0] == b) id = i;
+        if (len == 1 && (unsigned char)p[0] == b) return i;
     }
-    (void)s;
-    return id;
+    return -1;
 }
 
 static void test_detok_split_sequence(void **state) {
@@ -466,6 +498,59 @@ static void test_string_merges(void **state) {
     df_tokenizer_free(tok);
 }
 
+/* lstrip / rstrip / single_word / normalized added tokens: the tiny tokenizer with the flags
+ * changed as the fixture's "added_flag_variant" says, against tokenizers' ids. (Decoded text is
+ * not compared: tokenizers runs added tokens through the ByteLevel decoder, which garbles a
+ * non-ASCII content such as "café"; dflash decodes an added token to its content.) */
+static void test_added_flag_variant(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *cases = json_load_file(tu_fixture("tiny-bonsai2-tokenizer-cases.json"), JSON_ALLOW_NUL, &je);
+    json_t *root = json_load_file(tu_fixture("tiny-bonsai2/tokenizer.json"), 0, &je);
+    assert_non_null(cases);
+    assert_non_null(root);
+    json_t *variant = json_object_get(cases, "added_flag_variant"), *changes = json_object_get(variant, "changes");
+    assert_true(json_array_size(changes) >= 5);
+    json_t *added = json_object_get(root, "added_tokens");
+    size_t applied = 0;
+    for (size_t i = 0; i < json_array_size(added); i++) {
+        json_t *a = json_array_get(added, i);
+        for (size_t k = 0; k < json_array_size(changes); k++) {
+            json_t *ch = json_array_get(changes, k);
+            if (strcmp(json_string_value(json_object_get(a, "content")),
+                       json_string_value(json_object_get(ch, "match"))) == 0) {
+                assert_int_equal(json_object_update(a, json_object_get(ch, "set")), 0);
+                applied++;
+            }
+        }
+    }
+    assert_int_equal(applied, json_array_size(changes));
+    char *text = json_dumps(root, JSON_COMPACT);
+    df_tokenizer *tok = NULL;
+    df_error err = {0};
+    assert_int_equal(df_tokenizer_load_json(&tok, text, strlen(text), &err), DF_OK);
+    json_t *list = json_object_get(variant, "cases");
+    assert_true(json_array_size(list) >= 10);
+    size_t failures = 0;
+    for (size_t c = 0; c < json_array_size(list); c++) {
+        json_t *cs = json_array_get(list, c), *jt = json_object_get(cs, "text"), *jids = json_object_get(cs, "ids");
+        size_t n = 0;
+        int32_t *ids = encode_ok(tok, json_string_value(jt), json_string_length(jt), 1, &n);
+        int same = n == json_array_size(jids);
+        for (size_t i = 0; same && i < n; i++) same = ids[i] == json_integer_value(json_array_get(jids, i));
+        if (!same) {
+            fprintf(stderr, "variant case %zu %s: ids differ\n", c, json_string_value(jt));
+            failures++;
+        }
+        free(ids);
+    }
+    assert_int_equal(failures, 0);
+    df_tokenizer_free(tok);
+    free(text);
+    json_decref(root);
+    json_decref(cases);
+}
+
 static df_status load_str(const char *json, df_error *err) {
     df_tokenizer *tok = NULL;
     df_status st = df_tokenizer_load_json(&tok, json, strlen(json), err);
@@ -519,6 +604,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qwen3_cases),
         cmocka_unit_test(test_tiny_cases),
+        cmocka_unit_test(test_long_input_matches_parts),
         cmocka_unit_test(test_vocab_queries),
         cmocka_unit_test(test_out_of_vocab_ids),
         cmocka_unit_test(test_skip_special),
@@ -529,6 +615,7 @@ int main(void) {
         cmocka_unit_test(test_empty_and_long_inputs),
         cmocka_unit_test(test_round_trip_nfc),
         cmocka_unit_test(test_string_merges),
+        cmocka_unit_test(test_added_flag_variant),
         cmocka_unit_test(test_load_errors),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
