@@ -11,6 +11,7 @@
 struct df_pool {
     int n_threads;
     pthread_t *workers;
+    struct worker_arg *args;
     pthread_mutex_t mu;
     pthread_cond_t cv_start, cv_done;
     unsigned long generation;   /* bumped for each job */
@@ -23,16 +24,23 @@ struct df_pool {
     int active;                 /* workers still in the current job */
 };
 
-static void run_tasks(df_pool *p) {
+static void run_tasks(df_pool *p, int worker) {
     for (;;) {
         int t = atomic_fetch_add(&p->next_task, 1);
         if (t >= p->n_tasks) break;
-        p->fn(p->ctx, t, p->n_tasks);
+        p->fn(p->ctx, t, p->n_tasks, worker);
     }
 }
 
+typedef struct worker_arg {
+    df_pool *pool;
+    int index;
+} worker_arg;
+
 static void *worker_main(void *arg) {
-    df_pool *p = arg;
+    worker_arg *wa = arg;
+    df_pool *p = wa->pool;
+    const int index = wa->index;
     unsigned long seen = 0;
     pthread_mutex_lock(&p->mu);
     for (;;) {
@@ -40,7 +48,7 @@ static void *worker_main(void *arg) {
         if (p->stop) break;
         seen = p->generation;
         pthread_mutex_unlock(&p->mu);
-        run_tasks(p);
+        run_tasks(p, index);
         pthread_mutex_lock(&p->mu);
         if (--p->active == 0) pthread_cond_signal(&p->cv_done);
     }
@@ -60,12 +68,15 @@ df_status df_pool_init(df_pool **out, int n_threads, df_error *err) {
     atomic_init(&p->next_task, 0);
     if (n_threads > 1) {
         p->workers = calloc((size_t)n_threads - 1, sizeof *p->workers);
-        if (!p->workers) {
+        p->args = calloc((size_t)n_threads - 1, sizeof *p->args);
+        if (!p->workers || !p->args) {
             df_pool_free(p);
             return df_error_set(err, DF_ERR_NOMEM, "thread pool: out of memory");
         }
         for (int i = 0; i < n_threads - 1; i++) {
-            if (pthread_create(&p->workers[i], NULL, worker_main, p) != 0) {
+            p->args[i].pool = p;
+            p->args[i].index = i + 1;
+            if (pthread_create(&p->workers[i], NULL, worker_main, &p->args[i]) != 0) {
                 p->n_threads = i + 1; /* only i workers exist */
                 df_pool_free(p);
                 return df_error_set(err, DF_ERR_INTERNAL, "thread pool: cannot start thread %d", i);
@@ -84,6 +95,7 @@ void df_pool_free(df_pool *p) {
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; p->workers && i < p->n_threads - 1; i++) pthread_join(p->workers[i], NULL);
     free(p->workers);
+    free(p->args);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv_start);
     pthread_cond_destroy(&p->cv_done);
@@ -95,7 +107,7 @@ int df_pool_size(const df_pool *p) { return p ? p->n_threads : 1; }
 void df_pool_run(df_pool *p, int n_tasks, df_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
     if (!p || p->n_threads == 1 || n_tasks == 1) {
-        for (int t = 0; t < n_tasks; t++) fn(ctx, t, n_tasks);
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, n_tasks, 0);
         return;
     }
     pthread_mutex_lock(&p->mu);
@@ -107,7 +119,7 @@ void df_pool_run(df_pool *p, int n_tasks, df_task_fn fn, void *ctx) {
     p->generation++;
     pthread_cond_broadcast(&p->cv_start);
     pthread_mutex_unlock(&p->mu);
-    run_tasks(p);
+    run_tasks(p, 0);
     pthread_mutex_lock(&p->mu);
     while (p->active > 0) pthread_cond_wait(&p->cv_done, &p->mu);
     pthread_mutex_unlock(&p->mu);

@@ -11,8 +11,9 @@
 
 typedef struct df_pool df_pool;
 
-/* Body of a parallel-for: runs task index `task` of `n_tasks`. */
-typedef void (*df_task_fn)(void *ctx, int task, int n_tasks);
+/* Body of a parallel-for: runs task index `task` of `n_tasks` on worker `worker`
+ * (0 = the calling thread, < df_pool_size) — for per-worker scratch, never for results. */
+typedef void (*df_task_fn)(void *ctx, int task, int n_tasks, int worker);
 
 /* Starts a pool of n_threads (>= 1; the caller thread counts as one, so n_threads-1 workers
  * are created). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL (pthread failure). */
@@ -20,7 +21,7 @@ df_status df_pool_init(df_pool **out, int n_threads, df_error *err);
 void df_pool_free(df_pool *pool);
 int df_pool_size(const df_pool *pool);
 
-/* Runs fn(ctx, t, n_tasks) for t = 0..n_tasks-1 on the pool and returns when all are done.
+/* Runs fn(ctx, t, n_tasks, worker) for t = 0..n_tasks-1 on the pool and returns when all are done.
  * Not reentrant: one parallel-for at a time per pool (tasks must not call it). */
 void df_pool_run(df_pool *pool, int n_tasks, df_task_fn fn, void *ctx);
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "dflash/safetensors.h"
 
 static uint64_t rng_state = 0x1234567;
 static float frand(void) { /* uniform in [-1, 1) */
@@ -18,12 +19,7 @@ static uint32_t urand(void) {
     return (uint32_t)(rng_state >> 32);
 }
 
-static uint16_t to_f16(float f) {
-    _Float16 h = (_Float16)f;
-    uint16_t u;
-    memcpy(&u, &h, 2);
-    return u;
-}
+static uint16_t to_f16(float f) { return df_f32_to_f16(f); }
 
 typedef struct qlin {
     df_linear L;

@@ -12,7 +12,7 @@
 #include "dflash/speculative.h"
 
 #define N_PROMPTS 50
-#define GEN 24
+#define GEN 20
 
 static df_engine *g_eng;
 static df_drafter *g_drafter;
@@ -31,7 +31,7 @@ static int setup(void **state) {
     if (df_draft_state_init(&g_ds, g_drafter, 48, &err) != DF_OK) return -1;
     uint64_t r = 12345;
     for (int i = 0; i < N_PROMPTS; i++) {
-        g_plen[i] = 1 + (i * 37) % 90;
+        g_plen[i] = 1 + (i * 37) % 60;
         for (int k = 0; k < g_plen[i]; k++) {
             r = r * 6364136223846793005ULL + 1442695040888963407ULL;
             g_prompts[i][k] = (int32_t)((r >> 33) % 1984);

@@ -3,8 +3,8 @@
  * Arithmetic (the exactness contract of backend.h):
  * - dot products use dot8 (below): lane accumulators in a fixed combination order that
  *   depends only on the length, so the compiler may vectorise it without changing a bit.
- * - a quantized row is reduced group by group: y = Σ_g (s_g·dot(q_g, x_g) + b_g·Σx_g),
- *   groups in order; the weight codes of a group are decoded once and applied to all M rows.
+ * - a linear dequantizes (w = scale·q + bias) or converts 128 weights of a row at a time and
+ *   applies them to all M rows; each row accumulates into 32 lanes by column (lin_task).
  * - compiled with -ffp-contract=off (no implicit FMA), no fast-math.
  * - the Hadamard-rotated input of a linear stays float32: the reference outputs of the
  *   fixtures (Hugging Face port) match to 5e-5 that way and to only 4e-2 with the fp16
@@ -18,15 +18,16 @@
 
 #include "backend/backend.h"
 #include "core/threads.h"
+#include "dflash/safetensors.h"
 
 typedef struct cpu_backend {
     df_backend base;
     df_pool *pool;
-    /* scratch for linear (rotated inputs + group sums), grown on demand */
+    /* scratch for linear (rotated inputs), grown on demand */
     float *xr;
     size_t xr_cap;
-    float *xs;
-    size_t xs_cap;
+    float *wrow; /* per-worker dequantized weight rows */
+    size_t wrow_cap;
     /* scratch for attention scores: one slice per task */
     float *scores;
     size_t scores_cap;
@@ -45,13 +46,11 @@ static int grow(float **buf, size_t *cap, size_t n) {
 
 /* ---- scalar helpers ------------------------------------------------------------------ */
 
-float df_round_f16(float x) { return (float)(_Float16)x; }
+float df_round_f16(float x) { return df_f16_to_f32(df_f32_to_f16(x)); }
 
-static inline float f16_to_f32(uint16_t h) {
-    _Float16 v;
-    memcpy(&v, &h, sizeof v);
-    return (float)v;
-}
+/* fp16 -> f32 through a 64 Ki-entry table filled once (exact). */
+static float f16_table[65536];
+static inline float f16_to_f32(uint16_t h) { return f16_table[h]; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -84,19 +83,6 @@ static inline float dot8(const float *a, const float *b, int n) {
     return s;
 }
 
-/* Σ a[i] in the same order as dot8. */
-static inline float sum8(const float *a, int n) {
-    float l[32];
-    for (int j = 0; j < 32; j++) l[j] = 0.0f;
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int j = 0; j < 32; j++) l[j] = l[j] + a[i + j];
-    for (int j = 0; j < 8; j++) l[j] = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
-    float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-    for (; i < n; i++) s = s + a[i];
-    return s;
-}
-
 /* Σ a[i]² in the fixed dot8 order. */
 static inline float sumsq8(const float *a, int n) { return dot8(a, a, n); }
 
@@ -122,6 +108,7 @@ static float lut2[256][4];
 static float lut4[256][2];
 static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
 static void lut_init(void) {
+    for (int h = 0; h < 65536; h++) f16_table[h] = df_f16_to_f32((uint16_t)h);
     for (int b = 0; b < 256; b++) {
         for (int i = 0; i < 4; i++) lut2[b][i] = (float)((b >> (2 * i)) & 3);
         for (int i = 0; i < 2; i++) lut4[b][i] = (float)((b >> (4 * i)) & 15);
@@ -224,56 +211,49 @@ static void cpu_embed(df_backend *be, const df_linear *E, const int32_t *ids, in
 /* ---- linear -------------------------------------------------------------------------------- */
 
 #define LIN_ROWS_PER_TASK 8
-#define LIN_CHUNK 128 /* dense reduction chunk (columns) */
 
 typedef struct lin_ctx {
     const df_linear *W;
     const float *x; /* [M, cols] (rotated when W has a Hadamard block) */
-    const float *xs; /* [M, ngroups] group sums (quantized) */
     int M;
     float *y;
+    float *scratch; /* one dequantized weight row per worker */
+    size_t scratch_stride;
 } lin_ctx;
 
-static void lin_task(void *vctx, int task, int n_tasks) {
+/* Output rows r0..r1: each weight row is dequantized (w = scale·q + bias) or converted to
+ * float once into the worker's scratch, then dotted (dot8) with each of the M input rows. */
+static void lin_task(void *vctx, int task, int n_tasks, int worker) {
     (void)n_tasks;
     const lin_ctx *c = vctx;
     const df_linear *W = c->W;
     const int cols = W->cols, M = c->M;
     int r0 = task * LIN_ROWS_PER_TASK, r1 = r0 + LIN_ROWS_PER_TASK;
     if (r1 > W->rows) r1 = W->rows;
-    float wq[LIN_CHUNK > 128 ? LIN_CHUNK : 128];
-    float acc[DF_MAX_ROWS];
-    if (W->bits > 0) {
-        const int gs = W->group_size, ng = cols / gs;
-        const size_t words = (size_t)cols * (size_t)W->bits / 32;
-        for (int r = r0; r < r1; r++) {
+    float *wrow = c->scratch + (size_t)worker * (size_t)c->scratch_stride;
+    const int gs = W->bits > 0 ? W->group_size : cols;
+    const int ng = W->bits > 0 ? cols / gs : 0;
+    const size_t words = W->bits > 0 ? (size_t)cols * (size_t)W->bits / 32 : 0;
+    for (int r = r0; r < r1; r++) {
+        if (W->bits > 0) {
             const uint32_t *row = (const uint32_t *)W->w + (size_t)r * words;
-            for (int m = 0; m < M; m++) acc[m] = 0.0f;
+            decode_codes(row, W->bits, 0, cols, wrow);
             for (int g = 0; g < ng; g++) {
-                float s = half_at(W->sdtype, W->scales, (size_t)r * (size_t)ng + (size_t)g);
-                float b = half_at(W->sdtype, W->biases, (size_t)r * (size_t)ng + (size_t)g);
-                decode_codes(row, W->bits, g * gs, gs, wq);
-                for (int m = 0; m < M; m++) {
-                    float d = dot8(wq, c->x + (size_t)m * (size_t)cols + (size_t)g * (size_t)gs, gs);
-                    float t = s * d + b * c->xs[(size_t)m * (size_t)ng + (size_t)g];
-                    acc[m] = acc[m] + t;
-                }
+                size_t gi = (size_t)r * (size_t)ng + (size_t)g;
+                float sc = half_at(W->sdtype, W->scales, gi), bi = half_at(W->sdtype, W->biases, gi);
+                float *wg = wrow + (size_t)g * (size_t)gs;
+                for (int i = 0; i < gs; i++) wg[i] = wg[i] * sc + bi;
             }
-            for (int m = 0; m < M; m++) c->y[(size_t)m * (size_t)W->rows + (size_t)r] = acc[m];
+        } else {
+            dense_chunk(W, r, 0, cols, wrow);
         }
-    } else {
-        for (int r = r0; r < r1; r++) {
-            for (int m = 0; m < M; m++) acc[m] = 0.0f;
-            for (int c0 = 0; c0 < cols; c0 += LIN_CHUNK) {
-                int n = cols - c0 < LIN_CHUNK ? cols - c0 : LIN_CHUNK;
-                dense_chunk(W, r, c0, n, wq);
-                for (int m = 0; m < M; m++)
-                    acc[m] = acc[m] + dot8(wq, c->x + (size_t)m * (size_t)cols + (size_t)c0, n);
-            }
-            for (int m = 0; m < M; m++) c->y[(size_t)m * (size_t)W->rows + (size_t)r] = acc[m];
-        }
+        for (int m = 0; m < M; m++)
+            c->y[(size_t)m * (size_t)W->rows + (size_t)r] = dot8(wrow, c->x + (size_t)m * (size_t)cols, cols);
     }
 }
+
+/* Work below which an op runs on the calling thread (pool wake-ups cost more than it). */
+#define PARALLEL_MIN_WORK (1 << 16)
 
 static void cpu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y) {
     cpu_backend *cb = cpu(be);
@@ -281,7 +261,13 @@ static void cpu_linear(df_backend *be, const df_linear *W, const float *x, int M
     for (int m0 = 0; m0 < M; m0 += DF_MAX_ROWS) {
         int mm = M - m0 < DF_MAX_ROWS ? M - m0 : DF_MAX_ROWS;
         const float *xin = x + (size_t)m0 * (size_t)cols;
-        lin_ctx c = {.W = W, .x = xin, .xs = NULL, .M = mm, .y = y + (size_t)m0 * (size_t)W->rows};
+        lin_ctx c = {.W = W, .x = xin, .M = mm, .y = y + (size_t)m0 * (size_t)W->rows,
+                     .scratch_stride = (size_t)cols + 32};
+        if (!grow(&cb->wrow, &cb->wrow_cap, (size_t)df_pool_size(cb->pool) * c.scratch_stride)) {
+            be->failed = 1;
+            return;
+        }
+        c.scratch = cb->wrow;
         if (W->hadamard_block > 0) {
             if (!grow(&cb->xr, &cb->xr_cap, (size_t)mm * (size_t)cols)) {
                 be->failed = 1;
@@ -295,20 +281,11 @@ static void cpu_linear(df_backend *be, const df_linear *W, const float *x, int M
             }
             c.x = cb->xr;
         }
-        if (W->bits > 0) {
-            const int gs = W->group_size, ng = cols / gs;
-            if (!grow(&cb->xs, &cb->xs_cap, (size_t)mm * (size_t)ng)) {
-                be->failed = 1;
-                return;
-            }
-            for (int m = 0; m < mm; m++)
-                for (int g = 0; g < ng; g++)
-                    cb->xs[(size_t)m * (size_t)ng + (size_t)g] =
-                        sum8(c.x + (size_t)m * (size_t)cols + (size_t)g * (size_t)gs, gs);
-            c.xs = cb->xs;
-        }
         int n_tasks = (W->rows + LIN_ROWS_PER_TASK - 1) / LIN_ROWS_PER_TASK;
-        df_pool_run(cb->pool, n_tasks, lin_task, &c);
+        if ((size_t)W->rows * (size_t)cols < PARALLEL_MIN_WORK)
+            for (int t = 0; t < n_tasks; t++) lin_task(&c, t, n_tasks, 0);
+        else
+            df_pool_run(cb->pool, n_tasks, lin_task, &c);
     }
 }
 
@@ -370,7 +347,8 @@ typedef struct attn_ctx {
     int len_max;
 } attn_ctx;
 
-static void attn_task(void *vctx, int task, int n_tasks) {
+static void attn_task(void *vctx, int task, int n_tasks, int worker) {
+    (void)worker;
     const attn_ctx *c = vctx;
     const df_attn_shape *sh = c->sh;
     const int hd = sh->head_dim, nh = sh->n_heads, nkv = sh->n_kv_heads;
@@ -469,7 +447,8 @@ typedef struct gdn_ctx {
 
 #define GDN_CH_PER_TASK 64
 
-static void gdn_conv_task(void *vctx, int task, int n_tasks) {
+static void gdn_conv_task(void *vctx, int task, int n_tasks, int worker) {
+    (void)worker;
     (void)n_tasks;
     const gdn_ctx *c = vctx;
     const int K = c->sh->conv_kernel, C = c->C;
@@ -492,7 +471,8 @@ static void gdn_conv_task(void *vctx, int task, int n_tasks) {
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-static void gdn_head_task(void *vctx, int task, int n_tasks) {
+static void gdn_head_task(void *vctx, int task, int n_tasks, int worker) {
+    (void)worker;
     (void)n_tasks;
     const gdn_ctx *c = vctx;
     const df_gdn_shape *sh = c->sh;
@@ -568,7 +548,7 @@ static void cpu_destroy(df_backend *be) {
     if (!cb) return;
     df_pool_free(cb->pool);
     free(cb->xr);
-    free(cb->xs);
+    free(cb->wrow);
     free(cb->scores);
     free(cb);
 }
