@@ -30,6 +30,8 @@
  * iterate as empty; using one in arithmetic, as an object or as a function raises Jinja2's
  * UndefinedError message (e.g. "'list object' has no attribute 'startswith'").
  *
+ * Tuples are lists at run time (printing one shows [..] where Python shows (..)).
+ *
  * Not supported (a clear syntax error): extends/block/include/import, call blocks, filter
  * blocks, recursive loops, star arguments (*args, **kwargs).
  *

@@ -925,7 +925,7 @@ df_status jfilter(jctx *c, const jnode *n, const char *name, jv *val, jargs *a, 
         if (prec > 15) prec = 15;
         if (prec < -15) prec = -15;
         double m = pow(10, (double)prec), x = d * m;
-        if (!strcmp(method, "common")) x = round(x);
+        if (!strcmp(method, "common")) x = rint(x);
         else if (!strcmp(method, "ceil")) x = ceil(x);
         else if (!strcmp(method, "floor")) x = floor(x);
         else return jerr(c, n, "method must be common, ceil or floor");
@@ -1188,7 +1188,7 @@ static df_status g_range(jctx *c, const jnode *n, jargs *a, jv *out) {
     if (step == 0) return jerr(c, n, "range() arg 3 must not be zero");
     long double cnt = step > 0 ? ((long double)stop - start + step - 1) / step : ((long double)start - stop - step - 1) / -step;
     if (cnt < 0) cnt = 0;
-    if (cnt > 10000000) return df_error_set(c->err, DF_ERR_RANGE, "range() of %.0Lf items is too large (template line %d, column %d)", cnt, n->line, n->col);
+    if (cnt > 1000000) return df_error_set(c->err, DF_ERR_RANGE, "range() of %.0Lf items is too large (template line %d, column %d)", cnt, n->line, n->col);
     if ((st = jstep(c, n, (uint64_t)cnt))) return st;
     json_t *arr = json_array();
     for (long long i = 0, x = start; arr && i < (long long)cnt; i++, x += step)

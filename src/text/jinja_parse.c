@@ -680,7 +680,7 @@ static df_status expect_block_end(parser *P) {
 /* Parses statements until a {% name %} with name in `ends` (NULL-terminated; NULL list =
  * until the end of the template). On return *which is the index of the end tag found and
  * the parser stands after its name. */
-static df_status parse_body(parser *P, const char *const *ends, jnode ***body, int *nbody, int *which);
+static df_status parse_body(parser *P, const jtok *open, const char *const *ends, jnode ***body, int *nbody, int *which);
 
 static df_status parse_targets(parser *P, pvec *names) {
     int paren = 0;
@@ -722,10 +722,10 @@ static df_status parse_for(parser *P, const jtok *at, jnode **out) {
     if ((st = expect_block_end(P))) return st;
     static const char *const ends[] = {"endfor", "else", NULL};
     int which;
-    if ((st = parse_body(P, ends, &n->body, &n->nbody, &which))) return st;
+    if ((st = parse_body(P, at, ends, &n->body, &n->nbody, &which))) return st;
     if (which == 1) {
         static const char *const ends2[] = {"endfor", NULL};
-        if ((st = expect_block_end(P)) || (st = parse_body(P, ends2, &n->else_body, &n->nelse, &which))) return st;
+        if ((st = expect_block_end(P)) || (st = parse_body(P, at, ends2, &n->else_body, &n->nelse, &which))) return st;
     }
     *out = n;
     return expect_block_end(P);
@@ -738,7 +738,7 @@ static df_status parse_if(parser *P, const jtok *at, jnode **out) {
     if ((st = parse_tuple(P, 1, 0, &n->a)) || (st = expect_block_end(P))) return st;
     static const char *const ends[] = {"endif", "elif", "else", NULL};
     int which;
-    if ((st = parse_body(P, ends, &n->body, &n->nbody, &which))) return st;
+    if ((st = parse_body(P, at, ends, &n->body, &n->nbody, &which))) return st;
     *out = n;
     if (which == 1) { /* elif: a nested if as the whole else branch */
         const jtok *t = &P->tk[P->i - 1];
@@ -751,7 +751,7 @@ static df_status parse_if(parser *P, const jtok *at, jnode **out) {
     }
     if (which == 2) {
         static const char *const ends2[] = {"endif", NULL};
-        if ((st = expect_block_end(P)) || (st = parse_body(P, ends2, &n->else_body, &n->nelse, &which))) return st;
+        if ((st = expect_block_end(P)) || (st = parse_body(P, at, ends2, &n->else_body, &n->nelse, &which))) return st;
     }
     return expect_block_end(P);
 }
@@ -782,7 +782,7 @@ static df_status parse_set(parser *P, const jtok *at, jnode **out) {
         adv(P);
         static const char *const ends[] = {"endset", NULL};
         int which;
-        if ((st = parse_body(P, ends, &n->body, &n->nbody, &which))) return st;
+        if ((st = parse_body(P, at, ends, &n->body, &n->nbody, &which))) return st;
         *out = n;
         return expect_block_end(P);
     }
@@ -839,7 +839,7 @@ static df_status parse_macro(parser *P, const jtok *at, jnode **out) {
     if ((st = expect_block_end(P))) return st;
     static const char *const ends[] = {"endmacro", NULL};
     int which;
-    if ((st = parse_body(P, ends, &n->body, &n->nbody, &which))) return st;
+    if ((st = parse_body(P, at, ends, &n->body, &n->nbody, &which))) return st;
     if (cur(P)->type == JT_NAME) adv(P); /* {% endmacro name %} */
     *out = n;
     return expect_block_end(P);
@@ -868,7 +868,7 @@ static df_status parse_statement(parser *P, const jtok *name, jnode **out) {
         if ((st = expect_block_end(P))) return st;
         static const char *const ends[] = {"endgeneration", NULL};
         int which;
-        if ((st = parse_body(P, ends, &n->body, &n->nbody, &which))) return st;
+        if ((st = parse_body(P, name, ends, &n->body, &n->nbody, &which))) return st;
         *out = n;
         return expect_block_end(P);
     }
@@ -879,10 +879,9 @@ static df_status parse_statement(parser *P, const jtok *name, jnode **out) {
     return perr(P, name, "unknown tag '%s'", s);
 }
 
-static df_status parse_body(parser *P, const char *const *ends, jnode ***body, int *nbody, int *which) {
+static df_status parse_body(parser *P, const jtok *open, const char *const *ends, jnode ***body, int *nbody, int *which) {
     pvec stmts = {0};
     df_status st = DF_OK;
-    const jtok *open = P->i ? &P->tk[P->i - 1] : cur(P);
     if (++P->depth > MAX_NESTING) return perr(P, cur(P), "%s", "blocks nested too deeply");
     for (;;) {
         const jtok *t = cur(P);
@@ -959,5 +958,5 @@ fail:
 df_status jparse(df_jinja_template *t, const jtok *toks, size_t ntok, df_error *err) {
     parser P = {.t = t, .tk = toks, .n = ntok, .err = err};
     int which;
-    return parse_body(&P, NULL, &t->body, &t->nbody, &which);
+    return parse_body(&P, P.tk, NULL, &t->body, &t->nbody, &which);
 }
