@@ -79,7 +79,8 @@ typedef struct df_chat_prompt {
  * Messages are normalised as vLLM and transformers users expect:
  *  - content given as a list of parts is passed as is when the template handles lists;
  *    otherwise a list of text parts only becomes the concatenation of their texts (other
- *    lists are passed as is, and the template decides, as transformers would);
+ *    lists are passed as is, and the template decides, as transformers would); a null or
+ *    missing content becomes "" for such a template (as vLLM does);
  *  - an assistant tool call's function.arguments given as a JSON string holding an object
  *    is parsed into that object (templates iterate or tojson it).
  * opt may be NULL (enable_thinking left to the template).

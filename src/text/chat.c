@@ -141,7 +141,15 @@ static df_status normalize_message(const df_chat_template *t, json_t *msgs, size
     json_t *copy = NULL;
     if (content && !json_is_string(content) && !json_is_null(content) && !json_is_array(content))
         return BAD("messages[%zu].content: expected a string, an array of content parts or null", i);
-    if (json_is_array(content)) {
+    if (!content || json_is_null(content)) {
+        /* Templates without list support treat content as a string ("'x' in content",
+         * content.startswith(...)); vLLM passes "" for a missing content there. */
+        if (!t->content_lists) {
+            copy = json_copy(m);
+            if (!copy || json_object_set_new(copy, "content", json_string("")))
+                goto oom;
+        }
+    } else if (json_is_array(content)) {
         size_t k;
         json_t *part;
         int all_text = 1;
@@ -214,6 +222,9 @@ static df_status normalize_message(const df_chat_template *t, json_t *msgs, size
     }
     if (copy && json_array_set_new(msgs, i, copy)) return df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
     return DF_OK;
+oom:
+    json_decref(copy);
+    return df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
 }
 
 static int ends_with_open_think(const char *s, size_t n) {
