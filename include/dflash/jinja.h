@@ -19,7 +19,9 @@
  * Filters: tojson (transformers' version: separators ", " and ": ", non-ASCII as is,
  * `indent`, `sort_keys`), trim, items, length/count, string, safe, lower, upper, replace,
  * join, first, last, default/d, capitalize, title, int, float, abs, list, reverse, unique,
- * sort, map, select, reject, selectattr, rejectattr, dictsort, min, max, sum, round, wordcount.
+ * sort, map, select, reject, selectattr, rejectattr, dictsort, min, max, sum, round, wordcount,
+ * indent, escape/e. An unknown filter or test is an error when it runs (as in Jinja2,
+ * where one inside an untaken branch does not stop the template).
  * Tests: string, mapping, iterable, sequence, number, integer, float, boolean, defined,
  * undefined, none, true, false, callable, even, odd, divisibleby, eq/equalto/==, ne/!=,
  * lt/<, le/<=, gt/>, ge/>=, in, sameas, lower, upper.

@@ -337,8 +337,9 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-/* Body of a closed <tool_call> (between the tags): emit the call, or 0 when malformed. */
-static int emit_tool_call(df_chat_parser *p, const char *s, size_t n, df_chat_deltas *out, int *oom) {
+/* Body of a closed <tool_call> (between the tags), valid UTF-8: emit the call, or 0 when
+ * malformed. */
+static int emit_tool_call_clean(df_chat_parser *p, const char *s, size_t n, df_chat_deltas *out, int *oom) {
     const char *b = skip_ws(s, s + n), *e = s + n;
     while (e > b && is_ws(e[-1])) e--;
     char *name = NULL;
@@ -362,6 +363,22 @@ static int emit_tool_call(df_chat_parser *p, const char *s, size_t n, df_chat_de
     json_decref(args);
     p->n_tools++;
     return 1;
+}
+
+static int emit_tool_call(df_chat_parser *p, const char *s, size_t n, df_chat_deltas *out, int *oom) {
+    jbuf clean = {0};
+    if (ju8_invalid_at(s, n) < n) { /* names and arguments must be valid UTF-8 (JSON) */
+        if (ju8_sanitize(&clean, s, n)) {
+            jbuf_free(&clean);
+            *oom = 1;
+            return 1;
+        }
+        s = clean.p;
+        n = clean.n;
+    }
+    int r = emit_tool_call_clean(p, s, n, out, oom);
+    jbuf_free(&clean);
+    return r;
 }
 
 /* ---- the state machine ---------------------------------------------------------------- */

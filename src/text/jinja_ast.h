@@ -105,10 +105,6 @@ struct df_jinja_template {
     size_t nlits, caplits;
 };
 
-/* 1 if a filter / test of that name exists (checked at parse time, as Jinja2 does). */
-int jfilter_exists(const char *name);
-int jtest_exists(const char *name);
-
 /* Builds the tree of a token stream into t. */
 df_status jparse(df_jinja_template *t, const jtok *toks, size_t ntok, df_error *err);
 

@@ -943,7 +943,76 @@ df_status jfilter(jctx *c, const jnode *n, const char *name, jv *val, jargs *a, 
         jbuf_free(&b);
         return ret_json(c, json_integer(words), out);
     }
-    default: return jerr(c, n, "no filter named '%s'", name);
+    case 35: { /* indent */
+        ARGS("indent", "width", "first", "blank");
+        long long width = 4;
+        const char *ws = NULL;
+        size_t wsl = 0;
+        if (given(arg[0])) {
+            if (jv_is_str(arg[0])) ws = jv_str(arg[0], &wsl);
+            else if ((st = want_int(c, n, arg[0], "indent width", &width))) return st;
+        }
+        if (!ws) {
+            if (width < 0) width = 0;
+            if (width > 256) width = 256;
+        }
+        int first = given(arg[1]) && jv_truthy(arg[1]), blank = given(arg[2]) && jv_truthy(arg[2]);
+        jbuf s = {0};
+        if ((st = to_str(c, n, val, &s))) return st;
+        b.limit = c->max_output;
+        int r = 0;
+        size_t i = 0, line = 0;
+        while (!r && i <= s.n) {
+            size_t e = i;
+            while (e < s.n && s.p[e] != '\n') e++;
+            int is_blank = 1;
+            for (size_t k = i; k < e; k++)
+                if (!ju_isspace((unsigned char)s.p[k])) is_blank = 0;
+            if ((line > 0 || first) && (blank || !is_blank)) {
+                if (ws) r = jbuf_put(&b, ws, wsl);
+                else
+                    for (long long k = 0; k < width && !r; k++) r = jbuf_putc(&b, ' ');
+            }
+            if (!r) r = jbuf_put(&b, s.p ? s.p + i : "", e - i);
+            if (!r && e < s.n) r = jbuf_putc(&b, '\n');
+            line++;
+            if (e >= s.n) break;
+            i = e + 1;
+        }
+        jbuf_free(&s);
+        if (r) {
+            st = jerr_build(c, n, &b, 1);
+            jbuf_free(&b);
+            return st;
+        }
+        return ret_buf(c, &b, out);
+    }
+    case 36:
+    case 37: { /* escape, e */
+        NOARGS(name);
+        jbuf s = {0};
+        if ((st = to_str(c, n, val, &s))) return st;
+        b.limit = c->max_output;
+        int r = 0;
+        for (size_t i = 0; i < s.n && !r; i++) {
+            switch (s.p[i]) {
+            case '&': r = jbuf_puts(&b, "&amp;"); break;
+            case '<': r = jbuf_puts(&b, "&lt;"); break;
+            case '>': r = jbuf_puts(&b, "&gt;"); break;
+            case '"': r = jbuf_puts(&b, "&#34;"); break;
+            case '\'': r = jbuf_puts(&b, "&#39;"); break;
+            default: r = jbuf_putc(&b, s.p[i]);
+            }
+        }
+        jbuf_free(&s);
+        if (r) {
+            st = jerr_build(c, n, &b, 1);
+            jbuf_free(&b);
+            return st;
+        }
+        return ret_buf(c, &b, out);
+    }
+    default: return jerr(c, n, "No filter named '%s'.", name);
     }
 }
 
@@ -951,7 +1020,7 @@ static const char *const filter_names[] = {
     "tojson", "trim", "items", "length", "count", "string", "safe", "lower", "upper", "capitalize", "title",
     "replace", "join", "first", "last", "default", "d", "int", "float", "abs", "list", "reverse", "unique",
     "sort", "map", "select", "reject", "selectattr", "rejectattr", "dictsort", "min", "max", "sum", "round",
-    "wordcount"};
+    "wordcount", "indent", "escape", "e"};
 
 static int filter_index(const char *name) {
     for (size_t i = 0; i < sizeof filter_names / sizeof filter_names[0]; i++)
@@ -959,7 +1028,6 @@ static int filter_index(const char *name) {
     return -1;
 }
 
-int jfilter_exists(const char *name) { return filter_index(name) >= 0; }
 
 /* ---- tests ---------------------------------------------------------------------------- */
 
@@ -974,7 +1042,6 @@ static int test_index(const char *name) {
     return -1;
 }
 
-int jtest_exists(const char *name) { return test_index(name) >= 0; }
 
 static int all_cased(const char *s, size_t n, int upper) {
     int cased = 0;
@@ -1090,7 +1157,7 @@ df_status jtest(jctx *c, const jnode *n, const char *name, const jv *v, jargs *a
     case 35:
         *out = jv_is_str(v) && all_cased(json_string_value(j), json_string_length(j), idx == 35);
         return DF_OK;
-    default: return jerr(c, n, "no test named '%s'", name);
+    default: return jerr(c, n, "No test named '%s'.", name);
     }
 }
 

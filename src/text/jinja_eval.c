@@ -1336,37 +1336,10 @@ void df_jinja_free(df_jinja_template *t) {
     free(t);
 }
 
-static size_t utf8_invalid_at(const char *s, size_t n) {
-    const unsigned char *u = (const unsigned char *)s;
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = u[i];
-        size_t len;
-        unsigned cp;
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F;
-        else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F;
-        else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07;
-        else return i;
-        if (i + len > n) return i;
-        for (size_t k = 1; k < len; k++) {
-            if ((u[i + k] & 0xC0) != 0x80) return i;
-            cp = (cp << 6) | (u[i + k] & 0x3F);
-        }
-        if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
-            return i;
-        i += len;
-    }
-    return n;
-}
-
 df_status df_jinja_parse(const char *src, size_t len, df_jinja_template **out, df_error *err) {
     *out = NULL;
     if (!src && len) return df_error_set(err, DF_ERR_INVALID_ARG, "template text is NULL");
-    size_t bad = utf8_invalid_at(src ? src : "", len);
+    size_t bad = ju8_invalid_at(src ? src : "", len);
     if (bad < len) return df_error_set(err, DF_ERR_FORMAT, "template is not valid UTF-8 (byte %zu)", bad);
     df_jinja_template *t = calloc(1, sizeof *t);
     if (!t) return df_error_set(err, DF_ERR_NOMEM, "out of memory parsing template");

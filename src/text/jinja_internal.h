@@ -50,6 +50,11 @@ size_t ju8_offset(const char *s, size_t n, size_t i);
 int32_t ju8_decode(const char *s, size_t n, size_t *adv);
 /* Appends code point c as UTF-8. */
 int ju8_put(jbuf *b, int32_t c);
+/* Offset of the first byte of s[0..n) that is not part of valid UTF-8 (n when all valid;
+ * overlong forms, surrogates and values past U+10FFFF are invalid). */
+size_t ju8_invalid_at(const char *s, size_t n);
+/* Appends s with every invalid byte replaced by U+FFFD. */
+int ju8_sanitize(jbuf *b, const char *s, size_t n);
 /* 1 for the ASCII whitespace Python's str.strip() removes (space, \t, \n, \r, \v, \f). */
 int ju_isspace(int c);
 

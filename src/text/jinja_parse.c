@@ -377,7 +377,6 @@ static df_status parse_filter_expr(parser *P, jnode **io) {
             jnode *n = node(P, JN_FILTER, cur(P));
             if (!n) return NOMEM(P);
             n->name = cur(P)->s;
-            if (!jfilter_exists(n->name)) return perr(P, cur(P), "no filter named '%s'", n->name);
             n->a = *io;
             adv(P);
             if (is_op(P, JOP_LPAREN) && (st = parse_call_args(P, n))) return st;
@@ -397,7 +396,6 @@ static df_status parse_filter_expr(parser *P, jnode **io) {
                                            nt->op == JOP_LE || nt->op == JOP_GT || nt->op == JOP_GE))
                 name = op_text(nt->op);
             else return unexpected(P, "a test name");
-            if (!jtest_exists(name)) return perr(P, nt, "no test named '%s'", name);
             jnode *n = node(P, JN_TEST, nt);
             if (!n) return NOMEM(P);
             n->name = name;

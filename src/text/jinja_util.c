@@ -59,7 +59,10 @@ void jbuf_free(jbuf *b) {
 }
 
 char *jbuf_take(jbuf *b, size_t *len) {
-    if (!b->p && jbuf_reserve(b, 0)) return NULL;
+    if (!b->p) {
+        if (jbuf_reserve(b, 0)) return NULL;
+        b->p[0] = 0;
+    }
     char *p = b->p;
     if (len) *len = b->n;
     b->p = NULL;
@@ -166,6 +169,45 @@ int ju8_put(jbuf *b, int32_t c) {
         t[0] = (char)(0xF0 | (c >> 18)), t[1] = (char)(0x80 | ((c >> 12) & 0x3F)),
         t[2] = (char)(0x80 | ((c >> 6) & 0x3F)), t[3] = (char)(0x80 | (c & 0x3F)), n = 4;
     return jbuf_put(b, t, n);
+}
+
+size_t ju8_invalid_at(const char *s, size_t n) {
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = u[i];
+        size_t len;
+        unsigned cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F;
+        else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F;
+        else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07;
+        else return i;
+        if (i + len > n) return i;
+        for (size_t k = 1; k < len; k++) {
+            if ((u[i + k] & 0xC0) != 0x80) return i;
+            cp = (cp << 6) | (u[i + k] & 0x3F);
+        }
+        if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+            return i;
+        i += len;
+    }
+    return n;
+}
+
+int ju8_sanitize(jbuf *b, const char *s, size_t n) {
+    while (n > 0) {
+        size_t ok = ju8_invalid_at(s, n);
+        if (jbuf_put(b, s, ok)) return -1;
+        if (ok == n) break;
+        if (jbuf_put(b, "\xEF\xBF\xBD", 3)) return -1; /* U+FFFD for the bad byte */
+        s += ok + 1;
+        n -= ok + 1;
+    }
+    return 0;
 }
 
 int ju_isspace(int c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
