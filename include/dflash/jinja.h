@@ -32,7 +32,8 @@
  * iterate as empty; using one in arithmetic, as an object or as a function raises Jinja2's
  * UndefinedError message (e.g. "'list object' has no attribute 'startswith'").
  *
- * Tuples are lists at run time (printing one shows [..] where Python shows (..)).
+ * Known differences: tuples are lists at run time (printing one shows [..] where Python
+ * shows (..)); an undefined value put in a list or dict literal becomes none.
  *
  * Not supported (a clear syntax error): extends/block/include/import, call blocks, filter
  * blocks, recursive loops, star arguments (*args, **kwargs).

@@ -155,9 +155,10 @@ static size_t partial_utf8_suffix(const char *s, size_t n) {
 static const char *find(const char *s, size_t n, const char *tag) { return memmem(s, n, tag, strlen(tag)); }
 
 static void consume(df_chat_parser *p, size_t k) {
+    if (!p->pend.p) return;
     memmove(p->pend.p, p->pend.p + k, p->pend.n - k);
     p->pend.n -= k;
-    if (p->pend.p) p->pend.p[p->pend.n] = 0;
+    p->pend.p[p->pend.n] = 0;
 }
 
 /* ---- tool call bodies ----------------------------------------------------------------- */

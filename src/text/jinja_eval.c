@@ -456,7 +456,11 @@ df_status jop_getattr(jctx *c, const jnode *n, const jv *obj, const char *name, 
 static df_status getitem(jctx *c, const jnode *n, const jv *obj, const jv *key, jv *out) {
     char tr[64];
     if (obj->k == JV_UNDEF) return jerr_undef(c, n, obj);
-    if (key->k == JV_UNDEF) return jerr_undef(c, n, key);
+    if (key->k == JV_UNDEF) { /* Jinja2: a failed lookup is undefined, not an error */
+        type_repr(obj, tr, sizeof tr);
+        *out = jv_undef("%s has no element Undefined", tr);
+        return DF_OK;
+    }
     if (obj->k == JV_JSON && key->k == JV_JSON) {
         json_t *o = obj->j, *k = key->j;
         if ((json_is_array(o) || json_is_string(o)) && (json_is_integer(k) || json_is_boolean(k))) {

@@ -379,6 +379,18 @@ static df_status parse_filter_expr(parser *P, jnode **io) {
             n->name = cur(P)->s;
             n->a = *io;
             adv(P);
+            /* dotted filter names (Jinja2 accepts them; none exists here, so they fail when run) */
+            while (is_op(P, JOP_DOT) && peek(P, 1)->type == JT_NAME) {
+                size_t a = strlen(n->name), b = peek(P, 1)->n;
+                char *nm = jarena_alloc(&P->t->arena, a + b + 2);
+                if (!nm) return NOMEM(P);
+                memcpy(nm, n->name, a);
+                nm[a] = '.';
+                memcpy(nm + a + 1, peek(P, 1)->s, b + 1);
+                n->name = nm;
+                adv(P);
+                adv(P);
+            }
             if (is_op(P, JOP_LPAREN) && (st = parse_call_args(P, n))) return st;
             if (!n->args && !(n->args = jarena_alloc(&P->t->arena, sizeof(jnode *)))) return NOMEM(P);
             *io = n;
