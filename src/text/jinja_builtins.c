@@ -279,6 +279,20 @@ static df_status str_split(jctx *c, const jnode *n, const char *s, size_t sl, co
     return jstep(c, n, json_array_size(arr));
 }
 
+/* s.replace(old, new[, count]) and s|replace(old, new[, count]) */
+static df_status replace_call(jctx *c, const jnode *n, jargs *a, const char *s, size_t sl, jv *out) {
+    ARGS("replace", "old", "new", "count");
+    const char *o = NULL, *w = NULL;
+    size_t ol = 0, wl = 0;
+    long long count = -1;
+    df_status st;
+    if (!arg[0] || !arg[1]) return jerr(c, n, "replace expected at least 2 arguments");
+    if ((st = want_str(c, n, arg[0], "replace old", &o, &ol)) || (st = want_str(c, n, arg[1], "replace new", &w, &wl)))
+        return st;
+    if (given(arg[2]) && (st = want_int(c, n, arg[2], "replace count", &count))) return st;
+    return str_replace(c, n, s, sl, o, ol, w, wl, count, out);
+}
+
 static df_status join_items(jctx *c, const jnode *n, json_t *items, const char *sep, size_t sepl, const char *attr,
                             int strict_str, jv *out) {
     jbuf b = {.limit = c->max_output};
@@ -678,20 +692,11 @@ df_status jfilter(jctx *c, const jnode *n, const char *name, jv *val, jargs *a, 
         }
         return ret_buf(c, &b, out);
     }
-    case 11: { /* replace */
-        ARGS("replace", "old", "new", "count");
-        const char *o = NULL, *w = NULL;
-        size_t ol = 0, wl = 0;
-        long long count = -1;
-        if (!arg[0] || !arg[1]) return jerr(c, n, "replace needs old and new");
-        if ((st = want_str(c, n, arg[0], "replace old", &o, &ol)) || (st = want_str(c, n, arg[1], "replace new", &w, &wl)))
-            return st;
-        if (given(arg[2]) && (st = want_int(c, n, arg[2], "replace count", &count))) return st;
+    case 11: /* replace */
         if ((st = to_str(c, n, val, &b))) return st;
-        st = str_replace(c, n, b.p ? b.p : "", b.n, o, ol, w, wl, count, out);
+        st = replace_call(c, n, a, b.p ? b.p : "", b.n, out);
         jbuf_free(&b);
         return st;
-    }
     case 12: { /* join */
         ARGS("join", "d", "attribute");
         const char *sep = "", *attr = NULL;
@@ -1106,21 +1111,9 @@ df_status jtest(jctx *c, const jnode *n, const char *name, const jv *v, jargs *a
     }
     case 17: case 18: case 19: *out = jv_equal(v, x); return DF_OK;
     case 20: case 21: *out = !jv_equal(v, x); return DF_OK;
-    case 22: case 23: case 24:
+    case 22: case 23: case 24: case 25: case 26: case 27: case 28: case 29: case 30: case 31:
         if ((st = jop_compare(c, n, v, x, &cmp))) return st;
-        *out = cmp < 0;
-        return DF_OK;
-    case 25: case 26:
-        if ((st = jop_compare(c, n, v, x, &cmp))) return st;
-        *out = cmp <= 0;
-        return DF_OK;
-    case 27: case 28: case 29:
-        if ((st = jop_compare(c, n, v, x, &cmp))) return st;
-        *out = cmp > 0;
-        return DF_OK;
-    case 30: case 31:
-        if ((st = jop_compare(c, n, v, x, &cmp))) return st;
-        *out = cmp >= 0;
+        *out = idx <= 24 ? cmp < 0 : idx <= 26 ? cmp <= 0 : idx <= 29 ? cmp > 0 : cmp >= 0;
         return DF_OK;
     case 32: {
         /* value in seq */
@@ -1337,17 +1330,7 @@ static df_status str_method(jctx *c, const jnode *n, int fn, const json_t *self,
             return jerr_nomem(c);
         }
         return ret_buf(c, &b, out);
-    case JF_REPLACE: {
-        ARGS("replace", "old", "new", "count");
-        const char *o = NULL, *w = NULL;
-        size_t ol = 0, wl = 0;
-        long long count = -1;
-        if (!arg[0] || !arg[1]) return jerr(c, n, "replace expected at least 2 arguments");
-        if ((st = want_str(c, n, arg[0], "replace old", &o, &ol)) || (st = want_str(c, n, arg[1], "replace new", &w, &wl)))
-            return st;
-        if (given(arg[2]) && (st = want_int(c, n, arg[2], "replace count", &count))) return st;
-        return str_replace(c, n, s, sl, o, ol, w, wl, count, out);
-    }
+    case JF_REPLACE: return replace_call(c, n, a, s, sl, out);
     case JF_JOIN: {
         ARGS("join", "iterable");
         if (!arg[0]) return jerr(c, n, "join takes exactly one argument");

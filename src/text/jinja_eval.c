@@ -967,7 +967,8 @@ static df_status arith(jctx *c, const jnode *n, jop op, const jv *a, const jv *b
                 jv_type_name(a), jv_type_name(b));
 }
 
-static df_status eval_filter(jctx *c, jscope *s, const jnode *n, jv *out) {
+/* value | filter(args) or value is [not] test(args) */
+static df_status eval_filter_or_test(jctx *c, jscope *s, const jnode *n, jv *out) {
     jv val = {0};
     jargs a;
     df_status st = eval(c, s, n->a, &val);
@@ -976,26 +977,15 @@ static df_status eval_filter(jctx *c, jscope *s, const jnode *n, jv *out) {
         jv_release(&val);
         return st;
     }
-    st = jfilter(c, n, n->name, &val, &a, out);
-    args_free(&a);
-    jv_release(&val);
-    return st;
-}
-
-static df_status eval_test(jctx *c, jscope *s, const jnode *n, jv *out) {
-    jv val = {0};
-    jargs a;
-    df_status st = eval(c, s, n->a, &val);
-    if (st) return st;
-    if ((st = eval_args(c, s, n, &a))) {
-        jv_release(&val);
-        return st;
+    if (n->kind == JN_FILTER) {
+        st = jfilter(c, n, n->name, &val, &a, out);
+    } else {
+        int r = 0;
+        st = jtest(c, n, n->name, &val, &a, &r);
+        if (!st) *out = jv_json(json_boolean(n->flag ? !r : r));
     }
-    int r = 0;
-    st = jtest(c, n, n->name, &val, &a, &r);
     args_free(&a);
     jv_release(&val);
-    if (!st) *out = jv_json(json_boolean(n->flag ? !r : r));
     return st;
 }
 
@@ -1060,8 +1050,8 @@ static df_status eval(jctx *c, jscope *s, const jnode *n, jv *out) {
     }
     case JN_SLICE: return eval_slice(c, s, n, out);
     case JN_CALL: return eval_call(c, s, n, out);
-    case JN_FILTER: return eval_filter(c, s, n, out);
-    case JN_TEST: return eval_test(c, s, n, out);
+    case JN_FILTER:
+    case JN_TEST: return eval_filter_or_test(c, s, n, out);
     case JN_NEG:
     case JN_POS: {
         jv v;

@@ -315,6 +315,16 @@ static df_status parse_subscript(parser *P, jnode *obj, jnode **out) {
     return DF_OK;
 }
 
+/* *io ( args ) */
+static df_status parse_call(parser *P, const jtok *t, jnode **io) {
+    jnode *n = node(P, JN_CALL, t);
+    if (!n) return NOMEM(P);
+    n->a = *io;
+    df_status st = parse_call_args(P, n);
+    if (!st) *io = n;
+    return st;
+}
+
 static df_status parse_postfix(parser *P, jnode **io) {
     df_status st;
     for (;;) {
@@ -343,11 +353,7 @@ static df_status parse_postfix(parser *P, jnode **io) {
         } else if (is_op(P, JOP_LBRACKET)) {
             if ((st = parse_subscript(P, *io, io))) return st;
         } else if (is_op(P, JOP_LPAREN)) {
-            jnode *n = node(P, JN_CALL, t);
-            if (!n) return NOMEM(P);
-            n->a = *io;
-            if ((st = parse_call_args(P, n))) return st;
-            *io = n;
+            if ((st = parse_call(P, t, io))) return st;
         } else {
             return DF_OK;
         }
@@ -428,11 +434,7 @@ static df_status parse_filter_expr(parser *P, jnode **io) {
             if (!n->args && !(n->args = jarena_alloc(&P->t->arena, sizeof(jnode *)))) return NOMEM(P);
             *io = n;
         } else if (is_op(P, JOP_LPAREN)) {
-            jnode *n = node(P, JN_CALL, t);
-            if (!n) return NOMEM(P);
-            n->a = *io;
-            if ((st = parse_call_args(P, n))) return st;
-            *io = n;
+            if ((st = parse_call(P, t, io))) return st;
         } else {
             return DF_OK;
         }
@@ -469,52 +471,46 @@ static df_status binop(parser *P, const jtok *t, jnode_kind kind, jop op, jnode 
     return DF_OK;
 }
 
-static df_status parse_pow(parser *P, jnode **out) {
-    df_status st = parse_unary(P, 1, out);
-    while (!st && is_op(P, JOP_POW)) {
+typedef df_status (*parse_fn)(parser *P, jnode **out);
+
+/* A left-associative level: operand { op operand }, op one of ops (JOP_NONE-terminated) or
+ * the keyword word. */
+static df_status parse_left_assoc(parser *P, jnode **out, parse_fn operand, jnode_kind kind, const jop *ops,
+                                  const char *word) {
+    df_status st = operand(P, out);
+    for (;;) {
+        if (st) return st;
         const jtok *t = cur(P);
+        int match = word ? is_name(t, word) : 0;
+        for (int i = 0; !word && ops[i] != JOP_NONE; i++) match |= is_op(P, ops[i]);
+        if (!match) return DF_OK;
         adv(P);
         jnode *r;
-        if ((st = parse_unary(P, 1, &r))) return st;
-        st = binop(P, t, JN_BINOP, JOP_POW, *out, r, out);
+        if ((st = operand(P, &r))) return st;
+        st = binop(P, t, kind, word ? JOP_NONE : t->op, *out, r, out);
     }
-    return st;
+}
+
+static df_status parse_unary_filtered(parser *P, jnode **out) { return parse_unary(P, 1, out); }
+
+static df_status parse_pow(parser *P, jnode **out) {
+    static const jop ops[] = {JOP_POW, JOP_NONE};
+    return parse_left_assoc(P, out, parse_unary_filtered, JN_BINOP, ops, NULL);
 }
 
 static df_status parse_math2(parser *P, jnode **out) {
-    df_status st = parse_pow(P, out);
-    while (!st && (is_op(P, JOP_MUL) || is_op(P, JOP_DIV) || is_op(P, JOP_FLOORDIV) || is_op(P, JOP_MOD))) {
-        const jtok *t = cur(P);
-        adv(P);
-        jnode *r;
-        if ((st = parse_pow(P, &r))) return st;
-        st = binop(P, t, JN_BINOP, t->op, *out, r, out);
-    }
-    return st;
+    static const jop ops[] = {JOP_MUL, JOP_DIV, JOP_FLOORDIV, JOP_MOD, JOP_NONE};
+    return parse_left_assoc(P, out, parse_pow, JN_BINOP, ops, NULL);
 }
 
 static df_status parse_concat(parser *P, jnode **out) {
-    df_status st = parse_math2(P, out);
-    while (!st && is_op(P, JOP_TILDE)) {
-        const jtok *t = cur(P);
-        adv(P);
-        jnode *r;
-        if ((st = parse_math2(P, &r))) return st;
-        st = binop(P, t, JN_BINOP, JOP_TILDE, *out, r, out);
-    }
-    return st;
+    static const jop ops[] = {JOP_TILDE, JOP_NONE};
+    return parse_left_assoc(P, out, parse_math2, JN_BINOP, ops, NULL);
 }
 
 static df_status parse_math1(parser *P, jnode **out) {
-    df_status st = parse_concat(P, out);
-    while (!st && (is_op(P, JOP_ADD) || is_op(P, JOP_SUB))) {
-        const jtok *t = cur(P);
-        adv(P);
-        jnode *r;
-        if ((st = parse_concat(P, &r))) return st;
-        st = binop(P, t, JN_BINOP, t->op, *out, r, out);
-    }
-    return st;
+    static const jop ops[] = {JOP_ADD, JOP_SUB, JOP_NONE};
+    return parse_left_assoc(P, out, parse_concat, JN_BINOP, ops, NULL);
 }
 
 static df_status parse_compare(parser *P, jnode **out) {
@@ -589,29 +585,9 @@ static df_status parse_not(parser *P, jnode **out) {
     return parse_compare(P, out);
 }
 
-static df_status parse_and(parser *P, jnode **out) {
-    df_status st = parse_not(P, out);
-    while (!st && is_name(cur(P), "and")) {
-        const jtok *t = cur(P);
-        adv(P);
-        jnode *r;
-        if ((st = parse_not(P, &r))) return st;
-        st = binop(P, t, JN_AND, JOP_NONE, *out, r, out);
-    }
-    return st;
-}
+static df_status parse_and(parser *P, jnode **out) { return parse_left_assoc(P, out, parse_not, JN_AND, NULL, "and"); }
 
-static df_status parse_or(parser *P, jnode **out) {
-    df_status st = parse_and(P, out);
-    while (!st && is_name(cur(P), "or")) {
-        const jtok *t = cur(P);
-        adv(P);
-        jnode *r;
-        if ((st = parse_and(P, &r))) return st;
-        st = binop(P, t, JN_OR, JOP_NONE, *out, r, out);
-    }
-    return st;
-}
+static df_status parse_or(parser *P, jnode **out) { return parse_left_assoc(P, out, parse_and, JN_OR, NULL, "or"); }
 
 static df_status parse_expr(parser *P, int with_cond, jnode **out) {
     df_status st;
