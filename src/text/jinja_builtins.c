@@ -1101,7 +1101,7 @@ df_status jtest(jctx *c, const jnode *n, const char *name, const jv *v, jargs *a
         return DF_OK;
     }
     case 16: {
-        long long i, d;
+        long long i = 0, d = 0;
         if (v->k == JV_UNDEF) return jerr_undef(c, n, v);
         if ((st = want_int(c, n, v, "divisibleby value", &i)) || (st = want_int(c, n, x, "divisibleby argument", &d)))
             return st;

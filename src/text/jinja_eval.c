@@ -724,9 +724,9 @@ df_status jop_compare(jctx *c, const jnode *n, const jv *a, const jv *b, int *cm
     if (a->k == JV_UNDEF) return jerr_undef(c, n, a);
     if (b->k == JV_UNDEF) return jerr_undef(c, n, b);
     if (is_num(a) && is_num(b)) {
-        double da, db;
-        long long ia, ib;
-        int ta, tb;
+        double da = 0, db = 0;
+        long long ia = 0, ib = 0;
+        int ta = 0, tb = 0;
         num_of(a, &da, &ia, &ta);
         num_of(b, &db, &ib, &tb);
         if (ta && tb) *cmp = ia < ib ? -1 : ia > ib;
@@ -838,9 +838,9 @@ static df_status arith(jctx *c, const jnode *n, jop op, const jv *a, const jv *b
     if (a->k == JV_UNDEF) return jerr_undef(c, n, a);
     if (b->k == JV_UNDEF) return jerr_undef(c, n, b);
     if (is_num(a) && is_num(b)) {
-        double da, db;
-        long long ia, ib, r = 0;
-        int ta, tb;
+        double da = 0, db = 0;
+        long long ia = 0, ib = 0, r = 0;
+        int ta = 0, tb = 0;
         num_of(a, &da, &ia, &ta);
         num_of(b, &db, &ib, &tb);
         int ints = ta && tb;
