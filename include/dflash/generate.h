@@ -20,6 +20,15 @@ extern "C" {
 
 #define DF_MAX_STOP 16
 
+/* An additive bias on one token's logit (OpenAI logit_bias). */
+typedef struct df_logit_bias {
+    int32_t id;
+    float bias;
+} df_logit_bias;
+
+#define DF_MAX_LOGIT_BIAS 300
+#define DF_MAX_TOP_LOGPROBS 20
+
 typedef struct df_sampling_params {
     float temperature;   /* 0 = greedy (argmax; lowest id wins ties) */
     float top_p;         /* 1 = off */
@@ -27,10 +36,45 @@ typedef struct df_sampling_params {
     float min_p;         /* 0 = off */
     uint64_t seed;       /* with has_seed: same seed + same request = same output */
     int has_seed;
+    /* logit processors, applied before sampling (and before greedy argmax):
+     * repetition_penalty (1 = off; CTRL, Keskar et al. 2019 as in transformers: a seen
+     * token's logit is divided by it when positive, multiplied when negative) over prompt
+     * and generated tokens; presence_penalty / frequency_penalty (0 = off; OpenAI: minus
+     * presence·[count>0] + frequency·count) over generated tokens; logit_bias added last. */
+    float repetition_penalty, presence_penalty, frequency_penalty;
+    const df_logit_bias *logit_bias;
+    int n_logit_bias;
 } df_sampling_params;
+
+/* 1 if any logit processor of p is active (such requests cannot be decoded speculatively). */
+int df_sampling_has_processors(const df_sampling_params *p);
+
+/* Applies p's repetition/presence/frequency penalties and logit bias to logits[n_vocab]:
+ * prompt[n_prompt] and gen[n_gen] are the tokens seen so far. */
+void df_sampling_apply_processors(const df_sampling_params *p, float *logits, int n_vocab, const int32_t *prompt,
+                                  int n_prompt, const int32_t *gen, int n_gen);
 
 /* Sampling params with everything off (greedy). */
 df_sampling_params df_sampling_default(void);
+
+/* Log-probability of one token. */
+typedef struct df_token_logprob {
+    int32_t id;
+    float logprob;
+} df_token_logprob;
+
+/* What one generated token had for log-probabilities: log_softmax of the processed logits
+ * (after penalties and bias, before temperature and truncation), the chosen token's and the
+ * n_top most likely (highest first, lower id first on ties). */
+typedef struct df_token_info {
+    int32_t id;
+    float logprob;
+    int n_top;
+    df_token_logprob top[DF_MAX_TOP_LOGPROBS];
+} df_token_info;
+
+/* Fills info for token id from logits[n_vocab] with the n_top best (0..DF_MAX_TOP_LOGPROBS). */
+void df_token_info_compute(df_token_info *info, const float *logits, int n_vocab, int32_t id, int n_top);
 
 /* A seeded sampler (xoshiro256** state). */
 typedef struct df_sampler {
@@ -45,7 +89,7 @@ typedef struct df_sampler {
 /* Initialises a sampler; without has_seed the seed comes from the clock. */
 void df_sampler_init(df_sampler *s, const df_sampling_params *p);
 void df_sampler_free(df_sampler *s);
-/* Picks a token from logits[n_vocab] (logits may be modified). Greedy when temperature
+/* Picks a token from logits[n_vocab] (logits are not modified). Greedy when temperature
  * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
 /* argmax over logits[n]; lowest index wins ties. */
@@ -68,6 +112,11 @@ typedef struct df_gen_params {
     int skip_special;                 /* drop special tokens from the text (default 1) */
     int32_t stop_ids[DF_MAX_STOP];    /* extra token ids that end generation like EOS */
     int n_stop_ids;
+    int logprobs;                     /* 1: compute df_token_info for every generated token */
+    int top_logprobs;                 /* 0..DF_MAX_TOP_LOGPROBS alternatives per token */
+    /* called for each generated token (before its text reaches the text callback) when
+     * logprobs is on; non-zero return stops generation like the text callback */
+    int (*on_token)(void *user, const df_token_info *info);
 } df_gen_params;
 
 df_gen_params df_gen_params_default(void);
@@ -89,6 +138,7 @@ typedef struct df_gen_result {
     int draft_rounds;     /* verify passes */
     int draft_n;          /* drafted tokens proposed */
     int draft_n_accepted; /* drafted tokens accepted (bonus tokens excluded) */
+    df_token_info *token_info; /* [n_ids] when params->logprobs, else NULL */
 } df_gen_result;
 
 void df_gen_result_free(df_gen_result *r);

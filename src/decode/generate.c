@@ -40,6 +40,7 @@ void df_gen_result_free(df_gen_result *r) {
     if (!r) return;
     free(r->ids);
     free(r->text);
+    free(r->token_info);
     memset(r, 0, sizeof *r);
 }
 
@@ -70,8 +71,18 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     res->prompt_ms = t1 - t0;
     int cap_tokens = s->max_ctx - n_prompt;
     int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
+    const int processors = df_sampling_has_processors(&params->sampling);
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
+        if (processors)
+            df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
         int32_t id = df_sampler_sample(&sm, logits, V);
+        if (params->logprobs) {
+            df_token_info info;
+            df_token_info_compute(&info, logits, V, id, params->top_logprobs);
+            st = df_textout_token_info(&out, &info, err);
+            if (st != DF_OK) break;
+            if (out.finish != DF_FINISH_NONE) break;
+        }
         st = df_textout_push(&out, id, df_gen_is_stop_id(eng, params, id), err);
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
         if (out.n_ids >= max_tokens) {

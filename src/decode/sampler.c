@@ -10,8 +10,76 @@
 
 df_sampling_params df_sampling_default(void) {
     df_sampling_params p = {.temperature = 0.0f, .top_p = 1.0f, .top_k = 0, .min_p = 0.0f, .seed = 0,
-                            .has_seed = 0};
+                            .has_seed = 0, .repetition_penalty = 1.0f};
     return p;
+}
+
+int df_sampling_has_processors(const df_sampling_params *p) {
+    return (p->repetition_penalty != 1.0f && p->repetition_penalty > 0.0f) || p->presence_penalty != 0.0f ||
+           p->frequency_penalty != 0.0f || p->n_logit_bias > 0;
+}
+
+void df_sampling_apply_processors(const df_sampling_params *p, float *logits, int n_vocab, const int32_t *prompt,
+                                  int n_prompt, const int32_t *gen, int n_gen) {
+    if (p->repetition_penalty != 1.0f && p->repetition_penalty > 0.0f) {
+        /* each seen token once: mark by flipping through a visited pass over both lists */
+        const int32_t *lists[2] = {prompt, gen};
+        const int lens[2] = {n_prompt, n_gen};
+        unsigned char *seen = calloc((size_t)n_vocab, 1);
+        for (int l = 0; l < 2 && seen; l++)
+            for (int i = 0; i < lens[l]; i++) {
+                int32_t id = lists[l][i];
+                if (id < 0 || id >= n_vocab || seen[id]) continue;
+                seen[id] = 1;
+                logits[id] = logits[id] > 0.0f ? logits[id] / p->repetition_penalty : logits[id] * p->repetition_penalty;
+            }
+        free(seen);
+    }
+    if (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
+        int *count = calloc((size_t)n_vocab, sizeof(int));
+        if (count) {
+            for (int i = 0; i < n_gen; i++)
+                if (gen[i] >= 0 && gen[i] < n_vocab) count[gen[i]]++;
+            for (int i = 0; i < n_gen; i++) {
+                int32_t id = gen[i];
+                if (id < 0 || id >= n_vocab || count[id] == 0) continue;
+                logits[id] -= p->presence_penalty + p->frequency_penalty * (float)count[id];
+                count[id] = 0; /* once per token */
+            }
+            free(count);
+        }
+    }
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        int32_t id = p->logit_bias[i].id;
+        if (id >= 0 && id < n_vocab) logits[id] += p->logit_bias[i].bias;
+    }
+}
+
+void df_token_info_compute(df_token_info *info, const float *logits, int n_vocab, int32_t id, int n_top) {
+    if (n_top < 0) n_top = 0;
+    if (n_top > DF_MAX_TOP_LOGPROBS) n_top = DF_MAX_TOP_LOGPROBS;
+    float mx = logits[0];
+    for (int i = 1; i < n_vocab; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < n_vocab; i++) sum += exp((double)(logits[i] - mx));
+    const double lse = (double)mx + log(sum);
+    info->id = id;
+    info->logprob = (float)((double)logits[id] - lse);
+    /* top n by a bounded insertion pass (highest first, lower id first on ties) */
+    int len = 0;
+    for (int i = 0; i < n_vocab && n_top > 0; i++) {
+        float v = logits[i];
+        if (len == n_top && !(v > logits[info->top[len - 1].id])) continue;
+        int pos = len < n_top ? len++ : n_top - 1;
+        while (pos > 0 && v > logits[info->top[pos - 1].id]) {
+            info->top[pos] = info->top[pos - 1];
+            pos--;
+        }
+        info->top[pos].id = i;
+    }
+    for (int k = 0; k < len; k++) info->top[k].logprob = (float)((double)logits[info->top[k].id] - lse);
+    info->n_top = len;
 }
 
 static uint64_t splitmix64(uint64_t *x) {

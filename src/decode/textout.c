@@ -167,6 +167,19 @@ df_status df_textout_push(df_textout *o, int32_t id, int is_eos, df_error *err) 
     return DF_OK;
 }
 
+df_status df_textout_token_info(df_textout *o, const df_token_info *info, df_error *err) {
+    if (o->n_info == o->cap_info) {
+        int c = o->cap_info ? o->cap_info * 2 : 64;
+        df_token_info *p = realloc(o->info, (size_t)c * sizeof *p);
+        if (!p) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+        o->info = p;
+        o->cap_info = c;
+    }
+    o->info[o->n_info++] = *info;
+    if (o->params->on_token && o->params->on_token(o->user, info)) o->finish = DF_FINISH_CANCELLED;
+    return DF_OK;
+}
+
 void df_textout_finish(df_textout *o, df_gen_result *res) {
     int stopped_by_string = o->finish == DF_FINISH_STOP && o->n_held == 0 && o->n_pend == 0;
     if (!stopped_by_string && o->finish != DF_FINISH_CANCELLED) {
@@ -184,6 +197,7 @@ void df_textout_finish(df_textout *o, df_gen_result *res) {
     res->text = o->text;
     res->text_len = o->n_text;
     res->finish = o->finish == DF_FINISH_NONE ? DF_FINISH_LENGTH : o->finish;
+    res->token_info = o->info;
     free(o->held);
     memset(o, 0, sizeof *o);
 }

@@ -20,6 +20,8 @@ typedef struct df_textout {
     char *text;            /* emitted text */
     size_t n_text, cap_text;
     df_finish_reason finish;
+    df_token_info *info;   /* [n_info] per-token logprobs when the params ask for them */
+    int n_info, cap_info;
 } df_textout;
 
 void df_textout_init(df_textout *o, const df_tokenizer *tok, const df_gen_params *params, df_gen_callback cb,
@@ -27,6 +29,10 @@ void df_textout_init(df_textout *o, const df_tokenizer *tok, const df_gen_params
 /* Records one generated id. is_eos: the id ends generation (finish "stop", no text).
  * Sets o->finish when a stop string matched or the callback cancelled. Errors: DF_ERR_NOMEM. */
 df_status df_textout_push(df_textout *o, int32_t id, int is_eos, df_error *err);
+/* Records the logprobs of the token about to be pushed and calls params->on_token (a
+ * non-zero return sets finish "cancelled"). Errors: DF_ERR_NOMEM. */
+df_status df_textout_token_info(df_textout *o, const df_token_info *info, df_error *err);
+
 /* Emits what is held (unless a stop string ended generation) and moves ids/text into res
  * (res->finish = o->finish, or "length" when none was set). */
 void df_textout_finish(df_textout *o, df_gen_result *res);
