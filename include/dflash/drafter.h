@@ -21,19 +21,35 @@ extern "C" {
 
 #define DF_DRAFT_MAX_TAPS 16
 
+#define DF_DRAFT_MAX_LAYERS 64
+
 typedef struct df_drafter_config {
+    int version;                 /* 1: DFlashDraftModel, 2: DFlash2DraftModel */
     int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
     int block_size;              /* the drafter's trained block size */
     int32_t mask_token_id;
     int n_taps;
     int taps[DF_DRAFT_MAX_TAPS]; /* target layer ids whose outputs form the context */
     float rms_norm_eps, rope_theta;
+    /* attention pattern: a layer is sliding when layer_types says "sliding_attention"; a
+     * layer is causal inside the block when is_causal says so (absent: sliding layers are) */
+    int sliding[DF_DRAFT_MAX_LAYERS];
+    int causal[DF_DRAFT_MAX_LAYERS];
+    int sliding_window;
+    /* DFlash2 only (0 / 1 otherwise) */
+    int conv_kernel, conv_group_size;  /* grouped dynamic causal convolution */
+    int selector_rank, selector_top_k; /* candidate selector (0: argmax drafting) */
+    float output_multiplier;           /* logits *= it */
+    float final_logit_softcapping;     /* > 0: logits = cap·tanh(logits/cap) */
+    float input_embedding_scale;       /* embeddings *= it */
 } df_drafter_config;
 
 typedef struct df_drafter df_drafter;
 
-/* Loads a DFlash (v1) drafter folder (config.json with architectures ["DFlashDraftModel"]
- * and model.safetensors with bf16/f16/f32 weights) for the target pack of eng, and checks it
+/* Loads a DFlash drafter folder — config.json with architectures ["DFlashDraftModel"] (v1)
+ * or ["DFlash2DraftModel"] (v2: dynamic convolutions, sliding-window layers, output multiplier
+ * and softcap, candidate selector; z-lab/dflash model_mlx.py) — and its bf16/f16/f32
+ * safetensors, for the target pack of eng, and checks it
  * against the target (hidden size, tap layers, mask id inside the vocabulary). Errors:
  * DF_ERR_IO, DF_ERR_FORMAT, DF_ERR_MODEL (tensor missing/wrong/unexpected), DF_ERR_UNSUPPORTED
  * (another drafter architecture). */
@@ -61,7 +77,11 @@ int df_draft_state_len(const df_draft_state *st);
 df_status df_draft_add_context(df_draft_state *st, const float *feats, int n, int32_t first_pos, df_error *err);
 
 /* Drafts a block of B rows (2 <= B <= 16): row 0 = `bonus` at position p0, rows 1..B-1 =
- * mask tokens. drafts[B-1] receives the argmax of rows 1..B-1 through the target's lm_head.
+ * mask tokens. drafts[B-1] receives the proposals for rows 1..B-1: the argmax of their
+ * logits through the target's lm_head (× output_multiplier, softcapped), or for a DFlash2
+ * drafter with a selector the greedy selector path: per row, among the selector_top_k
+ * highest logits, the candidate c maximising logit(c) + Σ_r pred[prev]_r·p_r·succ[c]_r with
+ * p = hidden_projection(h_row) and prev the previous pick (the bonus for row 1).
  * Optional outputs: hidden [B, hidden] (after the final norm), logits [B-1, vocab].
  * Errors: DF_ERR_INVALID_ARG (B), DF_ERR_NOMEM. */
 df_status df_draft_block(df_draft_state *st, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,

@@ -33,6 +33,9 @@ typedef struct df_attn_shape {
     float eps;              /* q_norm / k_norm epsilon */
     int gated;              /* 1: q_proj gives [q | gate] per head (target); 0: plain q (drafter) */
     int causal;             /* 1: row m sees cache positions <= its own; 0: all rows of the call */
+    int sliding_window;     /* > 0 (non-causal drafter blocks): row m sees only the cache entries
+                             * before pos0 at index > pos0 + m - sliding_window (the context is
+                             * contiguous and ends right before the block), plus the block */
 } df_attn_shape;
 
 /* Geometry of a Gated DeltaNet layer. */
@@ -81,6 +84,13 @@ typedef struct df_backend_ops {
      * (in place) and writes k, v rows into the cache at index pos0.. (drafter context rows). */
     void (*kv_append)(df_backend *be, const df_attn_shape *sh, float *k, const float *v, const float *k_norm,
                       const int32_t *positions, int M, float *k_cache, float *v_cache, int pos0);
+
+    /* Grouped dynamic causal convolution over the M rows of a block (DFlash2, MODEL.md §5):
+     * out[t, c] = Σ_{o<K} (base[o, c]·x[t-o, c] + dyn[t, o·G + c/gs]·x[t-o, c]), rows before 0
+     * are zero; accumulated per o in that order. x, out: [M, H]; dyn: rows of dyn_stride floats
+     * (the K·G values used start at the row's start); base: host [K, H]. out != x. */
+    void (*dyn_conv)(df_backend *be, const float *x, const float *dyn, int dyn_stride, const float *base, int K,
+                     int gs, int M, int H, float *out);
 
     /* Gated DeltaNet for M rows, in order, each with the single-token recurrence
      * (MODEL.md §1): qkv [M, 2Kd+Vd], z [M, Vd], a, b [M, nv] from the projections;

@@ -9,6 +9,7 @@
  * then logits = lm_head(RMSNorm(x, norm)) with the target's head.
  */
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,9 @@
 typedef struct draft_layer {
     df_vecf in_norm, post_norm, q_norm, k_norm;
     df_linear q, k, v, o, gate, up, down;
+    /* DFlash2: dynamic convolutions around attention and MLP */
+    df_linear attn_kp, mlp_kp;   /* kernel_projection [2·K·G, H] */
+    df_vecf attn_base, mlp_base; /* base_kernel [2, K, H] */
 } draft_layer;
 
 struct df_drafter {
@@ -31,6 +35,9 @@ struct df_drafter {
     df_linear fc;
     df_vecf hidden_norm, norm;
     draft_layer *layers;
+    /* DFlash2 candidate selector */
+    df_linear sel_proj;          /* hidden_projection [r, H] */
+    const df_tensor *sel_pred, *sel_succ; /* codebooks [V, r] */
     float **owned;
     int n_owned;
 };
@@ -39,7 +46,7 @@ struct df_draft_state {
     df_drafter *d;
     int window, len;
     float **k_cache, **v_cache; /* per layer [window + DF_MAX_ROWS, n_kv, head_dim] */
-    float *x, *h, *y, *t1, *t2, *t3, *tk, *tv, *ctx;
+    float *x, *h, *y, *t1, *t2, *t3, *tk, *tv, *ctx, *dyn;
     float *logits;
 };
 
@@ -69,13 +76,16 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     df_status st = DF_OK;
     json_t *arch = json_array_get(json_object_get(root, "architectures"), 0);
     const char *a = json_string_value(arch);
-    if (!a || strcmp(a, "DFlashDraftModel") != 0) {
+    memset(c, 0, sizeof *c);
+    if (a && strcmp(a, "DFlashDraftModel") == 0) c->version = 1;
+    else if (a && strcmp(a, "DFlash2DraftModel") == 0) c->version = 2;
+    else {
         st = df_error_set(err, DF_ERR_UNSUPPORTED,
-                          "drafter config.json: architectures[0] is \"%s\"; this version loads \"DFlashDraftModel\"",
+                          "drafter config.json: architectures[0] is \"%s\"; expected \"DFlashDraftModel\" or "
+                          "\"DFlash2DraftModel\"",
                           a ? a : "(missing)");
         goto done;
     }
-    memset(c, 0, sizeof *c);
     json_t *dc = json_object_get(root, "dflash_config");
     json_t *rp = json_object_get(root, "rope_parameters");
     if (!json_int(root, "hidden_size", &c->hidden_size) || !json_int(root, "num_hidden_layers", &c->n_layers) ||
@@ -108,6 +118,49 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         }
         c->taps[i] = (int)json_integer_value(v);
     }
+    c->output_multiplier = 1.0f;
+    c->input_embedding_scale = 1.0f;
+    if (c->version == 2) {
+        json_int(dc, "block_size", &c->block_size);
+        json_int(dc, "conv_kernel_size", &c->conv_kernel);
+        json_int(dc, "conv_group_size", &c->conv_group_size);
+        json_int(dc, "selector_rank", &c->selector_rank);
+        json_int(dc, "selector_top_k", &c->selector_top_k);
+        json_num(dc, "output_multiplier", &c->output_multiplier);
+        if (!json_num(dc, "final_logit_softcapping", &c->final_logit_softcapping))
+            json_num(root, "final_logit_softcapping", &c->final_logit_softcapping);
+        json_num(dc, "input_embedding_scale", &c->input_embedding_scale);
+        if (c->conv_kernel < 0 || c->conv_kernel > 16 || (c->conv_kernel > 0 && (c->conv_group_size <= 0 ||
+            c->hidden_size % c->conv_group_size != 0)) || c->selector_rank < 0 || c->selector_top_k < 0 ||
+            c->selector_top_k > 64) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: dflash_config conv_kernel_size %d, "
+                              "conv_group_size %d, selector_top_k %d are not usable", c->conv_kernel,
+                              c->conv_group_size, c->selector_top_k);
+            goto done;
+        }
+    }
+    if (c->n_layers > DF_DRAFT_MAX_LAYERS) {
+        st = df_error_set(err, DF_ERR_UNSUPPORTED, "drafter config.json: %d layers (at most %d)", c->n_layers,
+                          DF_DRAFT_MAX_LAYERS);
+        goto done;
+    }
+    json_t *lt = json_object_get(root, "layer_types");
+    json_t *is_causal = json_object_get(root, "is_causal");
+    json_int(root, "sliding_window", &c->sliding_window);
+    for (int l = 0; l < c->n_layers && c->n_layers > 0; l++) {
+        const char *t = json_string_value(json_array_get(lt, (size_t)l));
+        if (json_is_array(lt) && (!t || (strcmp(t, "sliding_attention") != 0 && strcmp(t, "full_attention") != 0))) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: layer_types[%d] must be \"full_attention\" "
+                              "or \"sliding_attention\"", l);
+            goto done;
+        }
+        c->sliding[l] = t && strcmp(t, "sliding_attention") == 0;
+        c->causal[l] = json_is_boolean(is_causal) ? json_is_true(is_causal) : c->sliding[l];
+        if (c->sliding[l] && c->sliding_window < 2) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: sliding_attention layers need sliding_window >= 2");
+            goto done;
+        }
+    }
     if (c->hidden_size <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
         c->n_heads % c->n_kv_heads != 0 || c->head_dim <= 0 || c->head_dim > 1024 || c->head_dim % 2 ||
         c->intermediate_size <= 0 || c->block_size < 2)
@@ -118,8 +171,10 @@ done:
     return st;
 }
 
-static df_tensor *take(df_drafter *d, const char *name, int ndim, int64_t d0, int64_t d1, df_error *err,
-                       df_status *st) {
+/* Takes tensor `name` (marking it used) and checks a float dtype and the shape
+ * [d0] / [d0, d1] / [d0, d1, d2] for ndim 1..3. */
+static df_tensor *take3(df_drafter *d, const char *name, int ndim, int64_t d0, int64_t d1, int64_t d2, df_error *err,
+                        df_status *st) {
     df_tensor *t = df_tensors_take(d->ts, name);
     if (!t) {
         *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s is missing", name);
@@ -130,16 +185,23 @@ static df_tensor *take(df_drafter *d, const char *name, int ndim, int64_t d0, in
                            df_dtype_name(t->dtype));
         return NULL;
     }
-    if (t->ndim != ndim || t->shape[0] != d0 || (ndim == 2 && t->shape[1] != d1)) {
-        if (ndim == 2)
-            *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has the wrong shape; expected [%lld, %lld]", name,
-                               (long long)d0, (long long)d1);
-        else
-            *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has the wrong shape; expected [%lld]", name,
-                               (long long)d0);
+    const int64_t want[3] = {d0, d1, d2};
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == want[i];
+    if (!ok) {
+        char buf[96];
+        int n = snprintf(buf, sizeof buf, "[%lld", (long long)d0);
+        for (int i = 1; i < ndim; i++) n += snprintf(buf + n, sizeof buf - (size_t)n, ", %lld", (long long)want[i]);
+        snprintf(buf + n, sizeof buf - (size_t)n, "]");
+        *st = df_error_set(err, DF_ERR_MODEL, "drafter: tensor %s has the wrong shape; expected %s", name, buf);
         return NULL;
     }
     return t;
+}
+
+static df_tensor *take(df_drafter *d, const char *name, int ndim, int64_t d0, int64_t d1, df_error *err,
+                       df_status *st) {
+    return take3(d, name, ndim, d0, d1, 0, err, st);
 }
 
 static int bind_dense(df_drafter *d, df_linear *L, const char *name, int rows, int cols, df_error *err,
@@ -155,9 +217,20 @@ static int bind_dense(df_drafter *d, df_linear *L, const char *name, int rows, i
     return 1;
 }
 
+static int vec_from(df_drafter *d, df_vecf *v, const df_tensor *t, int n, df_error *err, df_status *st);
+
 static int bind_vec(df_drafter *d, df_vecf *v, const char *name, int n, df_error *err, df_status *st) {
     df_tensor *t = take(d, name, 1, n, 0, err, st);
-    if (!t) return 0;
+    return t ? vec_from(d, v, t, n, err, st) : 0;
+}
+
+/* A [2, K, H] base kernel as floats. */
+static int bind_base(df_drafter *d, df_vecf *v, const char *name, int K, int H, df_error *err, df_status *st) {
+    df_tensor *t = take3(d, name, 3, 2, K, H, err, st);
+    return t ? vec_from(d, v, t, 2 * K * H, err, st) : 0;
+}
+
+static int vec_from(df_drafter *d, df_vecf *v, const df_tensor *t, int n, df_error *err, df_status *st) {
     float *f = malloc((size_t)n * sizeof(float));
     float **o = realloc(d->owned, (size_t)(d->n_owned + 1) * sizeof *o);
     if (!f || !o) {
@@ -231,7 +304,22 @@ df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_
             !bind_dense(d, &L->up, NAME("mlp.up_proj.weight"), I, H, err, &st) ||
             !bind_dense(d, &L->down, NAME("mlp.down_proj.weight"), H, I, err, &st))
             goto fail;
+        if (c->version == 2 && c->conv_kernel > 0) {
+            const int KG = 2 * c->conv_kernel * (H / c->conv_group_size);
+            if (!bind_dense(d, &L->attn_kp, NAME("attention_conv.kernel_projection.weight"), KG, H, err, &st) ||
+                !bind_base(d, &L->attn_base, NAME("attention_conv.base_kernel"), c->conv_kernel, H, err, &st) ||
+                !bind_dense(d, &L->mlp_kp, NAME("mlp_conv.kernel_projection.weight"), KG, H, err, &st) ||
+                !bind_base(d, &L->mlp_base, NAME("mlp_conv.base_kernel"), c->conv_kernel, H, err, &st))
+                goto fail;
+        }
 #undef NAME
+    }
+    if (c->version == 2 && c->selector_rank > 0 && c->selector_top_k > 0) {
+        const int V = tc->vocab_size, r = c->selector_rank;
+        if (!bind_dense(d, &d->sel_proj, "candidate_selector.hidden_projection.weight", r, H, err, &st) ||
+            !(d->sel_pred = take(d, "candidate_selector.predecessor_codebook", 2, V, r, err, &st)) ||
+            !(d->sel_succ = take(d, "candidate_selector.successor_codebook", 2, V, r, err, &st)))
+            goto fail;
     }
     for (size_t i = 0; i < df_tensors_count(d->ts); i++) {
         df_tensor *t = df_tensors_at(d->ts, i);
@@ -291,6 +379,10 @@ df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, d
         if (!(*wbufs[i] = be->ops->alloc(be, R * wide * sizeof(float)))) goto oom;
     s->logits = be->ops->alloc(be, R * (size_t)d->eng->pack->cfg.vocab_size * sizeof(float));
     if (!s->logits) goto oom;
+    if (c->conv_kernel > 0) {
+        s->dyn = be->ops->alloc(be, R * 2 * (size_t)c->conv_kernel * (H / (size_t)c->conv_group_size) * sizeof(float));
+        if (!s->dyn) goto oom;
+    }
     *out = s;
     return DF_OK;
 oom:
@@ -307,7 +399,7 @@ void df_draft_state_free(df_draft_state *s) {
     }
     free(s->k_cache);
     free(s->v_cache);
-    float *bufs[] = {s->x, s->h, s->y, s->ctx, s->t1, s->t2, s->t3, s->tk, s->tv, s->logits};
+    float *bufs[] = {s->x, s->h, s->y, s->ctx, s->t1, s->t2, s->t3, s->tk, s->tv, s->logits, s->dyn};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->dealloc(be, bufs[i]);
     free(s);
 }
@@ -317,10 +409,15 @@ int df_draft_state_len(const df_draft_state *s) { return s->len; }
 df_drafter *df_draft_state_drafter(const df_draft_state *s) { return s->d; }
 int df_draft_state_window(const df_draft_state *s) { return s->window; }
 
-static df_attn_shape attn_shape(const df_drafter_config *c, int causal) {
+/* Attention geometry of draft layer l (layer < 0: context rows, where masks do not apply). */
+static df_attn_shape attn_shape(const df_drafter_config *c, int l) {
     df_attn_shape sh = {.n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                         .rot_dims = c->head_dim, .rope_theta = c->rope_theta, .eps = c->rms_norm_eps,
-                        .gated = 0, .causal = causal};
+                        .gated = 0, .causal = 0};
+    if (l >= 0) {
+        sh.causal = c->causal[l];
+        sh.sliding_window = c->sliding[l] ? c->sliding_window : 0;
+    }
     return sh;
 }
 
@@ -344,7 +441,7 @@ df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int
         }
         s->len -= drop;
     }
-    const df_attn_shape sh = attn_shape(c, 0);
+    const df_attn_shape sh = attn_shape(c, -1);
     for (int i = 0; i < n; i += DF_MAX_ROWS) {
         int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
         int32_t pos[DF_MAX_ROWS];
@@ -367,6 +464,58 @@ df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int
     return DF_OK;
 }
 
+static float cb_at(const df_tensor *t, size_t i) {
+    if (t->dtype == DF_DTYPE_F32) return ((const float *)t->data)[i];
+    const uint16_t h = ((const uint16_t *)t->data)[i];
+    return t->dtype == DF_DTYPE_BF16 ? df_bf16_to_f32(h) : df_f16_to_f32(h);
+}
+
+/* Greedy candidate-selector path over rows 1..B-1 (s->h holds the normed block hidden
+ * states, lg the processed logits [B-1, V]); see df_draft_block. */
+static df_status select_path(df_draft_state *s, int32_t bonus, int B, const float *lg, int32_t *drafts,
+                             df_error *err) {
+    df_drafter *d = s->d;
+    const df_drafter_config *c = &d->cfg;
+    df_backend *be = dbe(d);
+    const int V = d->eng->pack->cfg.vocab_size, r = c->selector_rank, k = c->selector_top_k, H = c->hidden_size;
+    float *p = malloc((size_t)(B - 1) * (size_t)r * sizeof(float));
+    if (!p) return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+    be->ops->linear(be, &d->sel_proj, s->h + H, B - 1, s->t3);
+    be->ops->to_host(be, p, s->t3, (size_t)(B - 1) * (size_t)r * sizeof(float));
+    int32_t prev = bonus;
+    for (int j = 0; j < B - 1; j++) {
+        const float *row = lg + (size_t)j * (size_t)V;
+        int32_t cand[64] = {0};
+        int n = 0;
+        for (int i = 0; i < V; i++) { /* top-k, highest first, lower id first on ties */
+            if (n == k && !(row[i] > row[cand[n - 1]])) continue;
+            int at = n < k ? n++ : k - 1;
+            while (at > 0 && row[i] > row[cand[at - 1]]) {
+                cand[at] = cand[at - 1];
+                at--;
+            }
+            cand[at] = i;
+        }
+        int32_t best = cand[0];
+        float best_score = -INFINITY;
+        for (int q = 0; q < n; q++) {
+            float e = 0.0f;
+            for (int t = 0; t < r; t++)
+                e = e + cb_at(d->sel_pred, (size_t)prev * (size_t)r + (size_t)t) * p[(size_t)j * (size_t)r + (size_t)t] *
+                            cb_at(d->sel_succ, (size_t)cand[q] * (size_t)r + (size_t)t);
+            float score = row[cand[q]] + e;
+            if (score > best_score) {
+                best_score = score;
+                best = cand[q];
+            }
+        }
+        drafts[j] = best;
+        prev = best;
+    }
+    free(p);
+    return DF_OK;
+}
+
 df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
                          float *logits, df_error *err) {
     df_drafter *d = s->d;
@@ -382,26 +531,61 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
         ids[m] = m == 0 ? bonus : c->mask_token_id;
         pos[m] = p0 + m;
     }
-    const df_attn_shape sh = attn_shape(c, 0);
     const size_t BH = (size_t)B * (size_t)H;
+    const int K = c->conv_kernel, KG = K > 0 ? K * (H / c->conv_group_size) : 0;
     op->embed(be, &pk->embed, ids, B, s->x);
+    if (c->input_embedding_scale != 1.0f) {
+        float *tmp = malloc(BH * sizeof(float));
+        if (!tmp) return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory");
+        op->to_host(be, tmp, s->x, BH * sizeof(float));
+        for (size_t i = 0; i < BH; i++) tmp[i] = tmp[i] * c->input_embedding_scale;
+        op->to_device(be, s->x, tmp, BH * sizeof(float));
+        free(tmp);
+    }
     for (int l = 0; l < c->n_layers; l++) {
         const draft_layer *L = &d->layers[l];
+        const df_attn_shape sh = attn_shape(c, l);
+        /* attention (DFlash2: dynamic convolution before and after, kernels from the normed input) */
         op->rmsnorm(be, s->x, L->in_norm.data, B, H, c->rms_norm_eps, s->h);
-        op->linear(be, &L->q, s->h, B, s->t1);
-        op->linear(be, &L->k, s->h, B, s->tk);
-        op->linear(be, &L->v, s->h, B, s->tv);
+        float *a_in = s->h;
+        if (K > 0) {
+            op->linear(be, &L->attn_kp, s->h, B, s->dyn);
+            op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->attn_base.data, K, c->conv_group_size, B, H, s->ctx);
+            a_in = s->ctx;
+        }
+        op->linear(be, &L->q, a_in, B, s->t1);
+        op->linear(be, &L->k, a_in, B, s->tk);
+        op->linear(be, &L->v, a_in, B, s->tv);
         /* block K/V go after the context (index s->len..) and are discarded afterwards */
         op->attention(be, &sh, s->t1, s->tk, s->tv, L->q_norm.data, L->k_norm.data, pos, B, s->k_cache[l],
                       s->v_cache[l], s->len, s->t2);
         op->linear(be, &L->o, s->t2, B, s->y);
-        op->add(be, s->x, s->y, BH);
+        if (K > 0) {
+            op->dyn_conv(be, s->y, s->dyn + KG, 2 * KG, L->attn_base.data + (size_t)K * H, K, c->conv_group_size, B,
+                         H, s->h);
+            op->add(be, s->x, s->h, BH);
+        } else {
+            op->add(be, s->x, s->y, BH);
+        }
+        /* MLP */
         op->rmsnorm(be, s->x, L->post_norm.data, B, H, c->rms_norm_eps, s->h);
-        op->linear(be, &L->gate, s->h, B, s->t1);
-        op->linear(be, &L->up, s->h, B, s->t2);
+        float *m_in = s->h;
+        if (K > 0) {
+            op->linear(be, &L->mlp_kp, s->h, B, s->dyn);
+            op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->mlp_base.data, K, c->conv_group_size, B, H, s->ctx);
+            m_in = s->ctx;
+        }
+        op->linear(be, &L->gate, m_in, B, s->t1);
+        op->linear(be, &L->up, m_in, B, s->t2);
         op->swiglu(be, s->t1, s->t2, (size_t)B * (size_t)c->intermediate_size, s->t3);
         op->linear(be, &L->down, s->t3, B, s->y);
-        op->add(be, s->x, s->y, BH);
+        if (K > 0) {
+            op->dyn_conv(be, s->y, s->dyn + KG, 2 * KG, L->mlp_base.data + (size_t)K * H, K, c->conv_group_size, B, H,
+                         s->h);
+            op->add(be, s->x, s->h, BH);
+        } else {
+            op->add(be, s->x, s->y, BH);
+        }
     }
     op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
     if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));
@@ -414,8 +598,19 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
         lg = tmp;
     }
     op->to_host(be, lg, s->logits, (size_t)(B - 1) * (size_t)V * sizeof(float));
-    for (int m = 0; m < B - 1; m++) drafts[m] = df_argmax(lg + (size_t)m * (size_t)V, V);
+    const size_t NL = (size_t)(B - 1) * (size_t)V;
+    if (c->output_multiplier != 1.0f)
+        for (size_t i = 0; i < NL; i++) lg[i] = lg[i] * c->output_multiplier;
+    if (c->final_logit_softcapping > 0.0f) {
+        const float cap = c->final_logit_softcapping;
+        for (size_t i = 0; i < NL; i++) lg[i] = cap * tanhf(lg[i] / cap);
+    }
+    df_status st = DF_OK;
+    if (d->sel_pred) st = select_path(s, bonus, B, lg, drafts, err);
+    else
+        for (int m = 0; m < B - 1; m++) drafts[m] = df_argmax(lg + (size_t)m * (size_t)V, V);
     free(tmp);
+    if (st != DF_OK) return st;
     if (be->failed) {
         be->failed = 0;
         return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");

@@ -72,6 +72,68 @@ static void test_drafter_oracle(void **state) {
     df_engine_free(e);
 }
 
+/* DFlash2: the tiny-dflash2 reference (dynamic convolutions, sliding-window layers of 16,
+ * output multiplier 0.5, softcap 20, selector rank 32 / top-8), round 1 from the reference
+ * context features and round 2 after 3 more tokens, whose context features come from our
+ * own target forward pass (taps after layers 1, 3, 5). */
+static void test_dflash2_oracle(void **state) {
+    (void)state;
+    df_error err = {0};
+    df_engine *e = NULL;
+    df_engine_options opt = {.n_threads = 2};
+    if (df_engine_load(&e, tu_fixture("tiny-bonsai2"), &opt, &err) != DF_OK) fail_msg("%s", err.msg);
+    df_drafter *d = NULL;
+    if (df_drafter_load(&d, tu_fixture("tiny-dflash2"), e, &err) != DF_OK) fail_msg("%s", err.msg);
+    const df_drafter_config *c = df_drafter_get_config(d);
+    assert_int_equal(c->version, 2);
+    assert_int_equal(c->sliding_window, 16);
+    df_tensor_set *ts = NULL;
+    assert_int_equal(df_tensors_open_file(&ts, tu_fixture("tiny-dflash2/reference.safetensors"), &err), DF_OK);
+    df_tensor *feat = get(ts, "context_feature"), *block = get(ts, "block_ids"), *hid = get(ts, "draft_hidden"),
+              *lg = get(ts, "draft_logits"), *sel = get(ts, "selector_ids");
+    const int n = (int)feat->shape[0], B = (int)block->numel, V = df_engine_vocab_size(e);
+    df_draft_state *st = NULL;
+    assert_int_equal(df_draft_state_init(&st, d, 64, &err), DF_OK);
+    assert_int_equal(df_draft_add_context(st, feat->data, n, 0, &err), DF_OK);
+    float *hidden = malloc((size_t)B * 256 * sizeof(float)), *logits = malloc((size_t)(B - 1) * V * sizeof(float));
+    int32_t drafts[16];
+    assert_int_equal(df_draft_block(st, ((const int32_t *)block->data)[0], n, B, drafts, hidden, logits, &err), DF_OK);
+    float dh = max_abs_diff(hidden, hid->data, (size_t)B * 256), dl = max_abs_diff(logits, lg->data, (size_t)(B - 1) * V);
+    printf("dflash2 round 1: draft_hidden max |delta| = %.3g, draft_logits max |delta| = %.3g\n", (double)dh, (double)dl);
+    assert_true(dh <= 1e-3f);
+    assert_true(dl <= 1e-3f);
+    assert_memory_equal(drafts, sel->data, (size_t)(B - 1) * sizeof(int32_t));
+    /* round 2: context rows for the 3 new tokens from our target's taps */
+    df_tensor *ctx_ids = get(ts, "round2_context_ids"), *b2 = get(ts, "round2_block_ids"),
+              *lg2 = get(ts, "round2_draft_logits"), *sel2 = get(ts, "round2_selector_ids");
+    const int n2 = (int)ctx_ids->numel, L = df_engine_pack(e)->cfg.n_layers;
+    df_session *s = NULL;
+    assert_int_equal(df_session_init(&s, e, 256, &err), DF_OK);
+    float *planes = malloc((size_t)(L + 2) * (size_t)n2 * 256 * sizeof(float));
+    df_session_capture_hidden(s, planes);
+    assert_int_equal(df_session_prefill(s, ctx_ids->data, n2, NULL, &err), DF_OK);
+    float *feats = malloc((size_t)(n2 - n) * 768 * sizeof(float));
+    for (int r = n; r < n2; r++)
+        for (int t = 0; t < 3; t++) /* tap after layer l = plane l + 1 */
+            memcpy(feats + (size_t)(r - n) * 768 + (size_t)t * 256,
+                   planes + ((size_t)(c->taps[t] + 1) * (size_t)n2 + (size_t)r) * 256, 256 * sizeof(float));
+    assert_int_equal(df_draft_add_context(st, feats, n2 - n, n, &err), DF_OK);
+    assert_int_equal(df_draft_block(st, ((const int32_t *)b2->data)[0], n2, B, drafts, NULL, logits, &err), DF_OK);
+    float dl2 = max_abs_diff(logits, lg2->data, (size_t)(B - 1) * V);
+    printf("dflash2 round 2: draft_logits max |delta| = %.3g\n", (double)dl2);
+    assert_true(dl2 <= 1e-3f);
+    assert_memory_equal(drafts, sel2->data, (size_t)(B - 1) * sizeof(int32_t));
+    free(feats);
+    free(planes);
+    df_session_free(s);
+    free(hidden);
+    free(logits);
+    df_draft_state_free(st);
+    df_tensors_free(ts);
+    df_drafter_free(d);
+    df_engine_free(e);
+}
+
 /* A drafter whose config is not a drafter, or whose taps do not fit the target, is refused
  * with a message naming the problem. */
 static void test_drafter_errors(void **state) {
@@ -84,6 +146,7 @@ static void test_drafter_errors(void **state) {
     /* the target pack itself is not a DFlash drafter */
     assert_int_not_equal(df_drafter_load(&d, tu_fixture("tiny-bonsai2"), e, &err), DF_OK);
     assert_non_null(strstr(err.msg, "DFlashDraftModel"));
+    assert_non_null(strstr(err.msg, "DFlash2DraftModel"));
     /* a config with a tap beyond the target's layers */
     const char *dir = tu_tmpdir();
     char path[512], cfg_path[512];
@@ -112,6 +175,7 @@ static void test_drafter_errors(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_drafter_oracle),
+        cmocka_unit_test(test_dflash2_oracle),
         cmocka_unit_test(test_drafter_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

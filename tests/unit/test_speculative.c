@@ -235,12 +235,42 @@ static void test_window_and_adaptive(void **state) {
     df_gen_result_free(&want);
 }
 
+/* The DFlash2 drafter (sliding-window layers, dynamic convolutions, candidate selector)
+ * drives the same rounds: output identical to plain decoding. */
+static void test_dflash2_exact(void **state) {
+    (void)state;
+    df_error err = {0};
+    df_drafter *d2 = NULL;
+    if (df_drafter_load(&d2, tu_fixture("tiny-dflash2"), g_eng, &err) != DF_OK) fail_msg("%s", err.msg);
+    df_draft_state *ds2 = NULL;
+    assert_int_equal(df_draft_state_init(&ds2, d2, 32, &err), DF_OK);
+    df_draft_state *saved = g_ds;
+    g_ds = ds2;
+    const int blocks[] = {4, 8, 16};
+    for (int i = 0; i < (n_prompts() < 12 ? 3 : 12); i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = GEN;
+        df_gen_result want;
+        plain(g_prompts[i], g_plen[i], &gp, &want);
+        for (int b = 0; b < 3; b++) {
+            df_spec_params sp = df_spec_params_default();
+            sp.block = blocks[b];
+            spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "dflash2 drafter", i);
+        }
+        df_gen_result_free(&want);
+    }
+    g_ds = saved;
+    df_draft_state_free(ds2);
+    df_drafter_free(d2);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
         cmocka_unit_test(test_each_partial_length),
         cmocka_unit_test(test_stops_inside_block),
         cmocka_unit_test(test_window_and_adaptive),
+        cmocka_unit_test(test_dflash2_exact),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -360,21 +360,24 @@ static void attn_task(void *vctx, int task, int n_tasks, int worker) {
         int m = p / nh, h = p % nh, kvh = h / (nh / nkv);
         const float *q = c->q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride;
         int len = sh->causal ? c->pos0 + m + 1 : c->pos0 + c->M;
+        int t0 = 0; /* sliding window: first context entry this row sees */
+        if (sh->sliding_window > 0 && c->pos0 + m - sh->sliding_window + 1 > 0)
+            t0 = c->pos0 + m - sh->sliding_window + 1 < c->pos0 ? c->pos0 + m - sh->sliding_window + 1 : c->pos0;
         float mx = -INFINITY;
-        for (int t = 0; t < len; t++) {
+        for (int t = t0; t < len; t++) {
             const float *k = c->k_cache + ((size_t)t * (size_t)nkv + (size_t)kvh) * (size_t)hd;
             float s = dot8(q, k, hd) * scale;
             sc[t] = s;
             if (s > mx) mx = s;
         }
         float sum = 0.0f;
-        for (int t = 0; t < len; t++) {
+        for (int t = t0; t < len; t++) {
             sc[t] = expf(sc[t] - mx);
             sum = sum + sc[t];
         }
         float *o = c->out + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)hd;
         for (int d = 0; d < hd; d++) o[d] = 0.0f;
-        for (int t = 0; t < len; t++) {
+        for (int t = t0; t < len; t++) {
             const float *v = c->v_cache + ((size_t)t * (size_t)nkv + (size_t)kvh) * (size_t)hd;
             float w = sc[t];
             for (int d = 0; d < hd; d++) o[d] = o[d] + w * v[d];
@@ -432,6 +435,27 @@ static void cpu_attention(df_backend *be, const df_attn_shape *sh, float *q, flo
     attn_ctx c = {.sh = sh, .q = q, .k_cache = k_cache, .v_cache = v_cache, .pos0 = pos0, .M = M,
                   .out = out, .scores = cb->scores, .len_max = len_max};
     df_pool_run(cb->pool, n_tasks, attn_task, &c);
+}
+
+/* ---- DFlash2 dynamic convolution ------------------------------------------------------------ */
+
+static void cpu_dyn_conv(df_backend *be, const float *x, const float *dyn, int dyn_stride, const float *base, int K,
+                         int gs, int M, int H, float *out) {
+    (void)be;
+    const int G = H / gs;
+    for (int t = 0; t < M; t++) {
+        float *o = out + (size_t)t * (size_t)H;
+        for (int ch = 0; ch < H; ch++) o[ch] = 0.0f;
+        const float *d = dyn + (size_t)t * (size_t)dyn_stride;
+        for (int k = 0; k < K && k <= t; k++) {
+            const float *xs = x + (size_t)(t - k) * (size_t)H;
+            const float *bk = base + (size_t)k * (size_t)H;
+            for (int ch = 0; ch < H; ch++) {
+                o[ch] = o[ch] + bk[ch] * xs[ch];
+                o[ch] = o[ch] + d[k * G + ch / gs] * xs[ch];
+            }
+        }
+    }
 }
 
 /* ---- Gated DeltaNet -------------------------------------------------------------------------- */
@@ -569,6 +593,7 @@ static const df_backend_ops cpu_ops = {
     .swiglu = cpu_swiglu,
     .attention = cpu_attention,
     .kv_append = cpu_kv_append,
+    .dyn_conv = cpu_dyn_conv,
     .gdn = cpu_gdn,
 };
 
