@@ -70,7 +70,26 @@ static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 /* Σ a[i]·b[i] in the fixed "dot8" order: 32 lane accumulators over i ≡ lane (mod 32),
  * combined lane-wise to 8 as l[j] = (l[j] + l[j+8]) + (l[j+16] + l[j+24]), then
  * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail (n mod 32) in order. The order is a
- * function of n alone; four independent 8-wide chains keep the adds pipelined. */
+ * function of n alone; four independent 8-wide chains keep the adds pipelined. The AVX2 and
+ * the portable versions perform the same operations in the same order (same bits). */
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline float dot8(const float *a, const float *b, int n) {
+    __m256 l0 = _mm256_setzero_ps(), l1 = _mm256_setzero_ps(), l2 = _mm256_setzero_ps(), l3 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        l0 = _mm256_add_ps(l0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        l1 = _mm256_add_ps(l1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+        l2 = _mm256_add_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16)));
+        l3 = _mm256_add_ps(l3, _mm256_mul_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24)));
+    }
+    float l[8];
+    _mm256_storeu_ps(l, _mm256_add_ps(_mm256_add_ps(l0, l1), _mm256_add_ps(l2, l3)));
+    float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for (; i < n; i++) s = s + a[i] * b[i];
+    return s;
+}
+#else
 static inline float dot8(const float *a, const float *b, int n) {
     float l[32];
     for (int j = 0; j < 32; j++) l[j] = 0.0f;
@@ -82,6 +101,7 @@ static inline float dot8(const float *a, const float *b, int n) {
     for (; i < n; i++) s = s + a[i] * b[i];
     return s;
 }
+#endif
 
 /* Σ a[i]² in the fixed dot8 order. */
 static inline float sumsq8(const float *a, int n) { return dot8(a, a, n); }
