@@ -760,59 +760,87 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
     return launch_status();
 }
 
-/* One block per (chunk, head, row): scores of the chunk's positions (a warp per position, fixed
- * lane order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
+/* One block per (row m, chunk, kv head), handling the G = nh/nkv query heads of the group so
+ * that each K/V row of the chunk is read once per row m (blocks of the same chunk are adjacent
+ * in launch order and share it through L2). Per head: scores (a warp per position: lanes over
+ * d in a fixed order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
  * o[d] = Σ_t p_t v_t[d] in position order. part[m, h, c] = (o[0..hd), max, sum). */
-__global__ void k_attn_part(const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache,
-                            const float *v_cache, float scale, int causal, int pos0, int M, int nchunk, float *part) {
-    __shared__ float sq[1024];
-    __shared__ float sc[DFK_ATTN_CHUNK];
-    __shared__ float red[128];
-    const int c = blockIdx.x, h = blockIdx.y, m = blockIdx.z;
+#define ATTN_MAX_G 16
+__global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
+                                                   const float *k_cache, const float *v_cache, float scale, int causal,
+                                                   int pos0, int M, int nchunk, float *part) {
+    __shared__ float sq[4096];
+    __shared__ float sc[ATTN_MAX_G][DFK_ATTN_CHUNK];
+    __shared__ float red[256];
+    __shared__ float smx[ATTN_MAX_G], ssum[ATTN_MAX_G];
+    const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
     const int t0 = c * DFK_ATTN_CHUNK;
     if (t0 >= len) return;
     const int t1 = len < t0 + DFK_ATTN_CHUNK ? len : t0 + DFK_ATTN_CHUNK, n = t1 - t0;
-    const int kvh = h / (nh / nkv);
-    const float *qr = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = qr[i];
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int gi = i / hd, d = i % hd;
+        sq[i] = q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d];
+    }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int tt = warp; tt < n; tt += nw) {
         const float *kr = k_cache + ((size_t)(t0 + tt) * (size_t)nkv + (size_t)kvh) * (size_t)hd;
-        float acc = 0.0f;
-        for (int d = lane; d < hd; d += 32) acc = acc + sq[d] * kr[d];
-        acc = warp_sum(acc);
-        if (lane == 0) sc[tt] = acc * scale;
+        for (int gi = 0; gi < G; gi++) {
+            float acc = 0.0f;
+            for (int d = lane; d < hd; d += 32) acc = acc + sq[gi * hd + d] * kr[d];
+            acc = warp_sum(acc);
+            if (lane == 0) sc[gi][tt] = acc * scale;
+        }
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int tt = threadIdx.x; tt < n; tt += blockDim.x) mx = fmaxf(mx, sc[tt]);
-    red[threadIdx.x] = mx;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+    for (int gi = 0; gi < G; gi++) {
+        float mx = -INFINITY;
+        for (int tt = threadIdx.x; tt < n; tt += blockDim.x) mx = fmaxf(mx, sc[gi][tt]);
+        red[threadIdx.x] = mx;
         __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if ((int)threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+            __syncthreads();
+        }
+        mx = red[0];
+        __syncthreads();
+        float acc = 0.0f;
+        for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
+            float p = expf(sc[gi][tt] - mx);
+            sc[gi][tt] = p;
+            acc = acc + p;
+        }
+        float sum = block_sum(acc, red); /* also orders the sc writes before the reads below */
+        if (threadIdx.x == 0) {
+            smx[gi] = mx;
+            ssum[gi] = sum;
+        }
     }
-    mx = red[0];
     __syncthreads();
-    float acc = 0.0f;
-    for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
-        float p = expf(sc[tt] - mx);
-        sc[tt] = p;
-        acc = acc + p;
-    }
-    float sum = block_sum(acc, red); /* also orders the sc writes before the reads below */
-    float *pr = part + (((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int tt = 0; tt < n; tt++)
-            o = o + sc[tt] * v_cache[((size_t)(t0 + tt) * (size_t)nkv + (size_t)kvh) * (size_t)hd + (size_t)d];
-        pr[d] = o;
+        float o[ATTN_MAX_G];
+#pragma unroll
+        for (int gi = 0; gi < ATTN_MAX_G; gi++) o[gi] = 0.0f;
+        for (int tt = 0; tt < n; tt++) {
+            const float vv = v_cache[((size_t)(t0 + tt) * (size_t)nkv + (size_t)kvh) * (size_t)hd + (size_t)d];
+#pragma unroll
+            for (int gi = 0; gi < ATTN_MAX_G; gi++)
+                if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
+        }
+#pragma unroll
+        for (int gi = 0; gi < ATTN_MAX_G; gi++) {
+            if (gi >= G) break;
+            float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)nchunk + (size_t)c) *
+                                   (size_t)(hd + 2);
+            pr[d] = o[gi];
+        }
     }
-    if (threadIdx.x == 0) {
-        pr[hd] = mx;
-        pr[hd + 1] = sum;
+    if (threadIdx.x < G) {
+        float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + threadIdx.x)) * (size_t)nchunk + (size_t)c) *
+                               (size_t)(hd + 2);
+        pr[hd] = smx[threadIdx.x];
+        pr[hd + 1] = ssum[threadIdx.x];
     }
 }
 
@@ -851,8 +879,9 @@ __global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, i
 extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                              const float *v_cache, int causal, int pos0, int M, int nchunk, float *part, float *out) {
     const float scale = 1.0f / sqrtf((float)hd);
-    dim3 g1((unsigned)nchunk, (unsigned)nh, (unsigned)M);
-    k_attn_part<<<g1, 128>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
+    dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
+    k_attn_part<<<g1, 256>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
     int st = launch_status();
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M);
