@@ -281,6 +281,9 @@ static int same_linear(const wentry *e, const df_linear *L, unsigned char fp[3][
  * row's reduction order is the same in every call. Aim: ~2640 warps in flight. */
 static int choose_kw(int rows, int ng) {
     const int tiles = (rows + 15) / 16;
+    const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
+    if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
+        return atoi(force);
     int kw = 1;
     while (kw < 8 && tiles * kw * 2 <= 2640 && kw * 2 <= ng) kw *= 2;
     return kw;
