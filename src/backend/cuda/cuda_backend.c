@@ -278,14 +278,15 @@ static int same_linear(const wentry *e, const df_linear *L, unsigned char fp[3][
 }
 
 /* K-slices per CTA of the tensor-core linear: from the shape alone (never from M), so that a
- * row's reduction order is the same in every call. Aim: ~2640 warps in flight. */
+ * row's reduction order is the same in every call. Eight slices (one per warp) keep the most
+ * loads in flight for a single row; fewer when the weight has fewer than eight groups. */
 static int choose_kw(int rows, int ng) {
-    const int tiles = (rows + 15) / 16;
+    (void)rows;
     const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
     if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
         return atoi(force);
     int kw = 1;
-    while (kw < 8 && tiles * kw * 2 <= 2640 && kw * 2 <= ng) kw *= 2;
+    while (kw < 8 && kw * 2 <= ng) kw *= 2;
     return kw;
 }
 
@@ -665,7 +666,7 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     const char *lin = getenv("DFLASH_CUDA_LINEAR");
     cb->force_simple = lin && strcmp(lin, "simple") == 0;
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");
-    cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 264;
+    cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 1056; /* about 4 waves of 2 CTAs per SM */
     if (!w_grow(cb) || !a_grow(cb) || !(cb->ids = dmalloc(cb, DFK_MAX_ROWS * sizeof(int32_t)))) {
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");

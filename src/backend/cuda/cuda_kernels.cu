@@ -56,6 +56,11 @@ static __device__ __forceinline__ float warp_sum(float v) {
 
 static int launch_status(void) { return (int)cudaGetLastError(); }
 
+/* The stream every launcher uses (dfk_set_stream; 0 = the legacy default stream). */
+static cudaStream_t g_stream = 0;
+
+extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
+
 /* ---- Hadamard in shared memory --------------------------------------------------------- */
 
 /* In-place Sylvester Walsh–Hadamard butterflies on each hb-wide block of sm[0..n) (n a
@@ -134,7 +139,7 @@ __global__ void k_prep(const float *__restrict__ x, int cols, const float *__res
 extern "C" int dfk_prep(const float *x, int M, int cols, const float *signs, int hb, float hscale, int gs, int seg,
                         float *xf, float *xs, uint32_t *xb) {
     dim3 grid((unsigned)M, (unsigned)(cols / seg));
-    k_prep<<<grid, 256, (size_t)seg * sizeof(float)>>>(x, cols, signs, hb, hscale, gs, seg, xf, xs, xb);
+    k_prep<<<grid, 256, (size_t)seg * sizeof(float), g_stream>>>(x, cols, signs, hb, hscale, gs, seg, xf, xs, xb);
     return launch_status();
 }
 
@@ -285,135 +290,160 @@ static __device__ __forceinline__ uint32_t a_reg(const uint32_t *wr, int r) {
     return (s & (MASK | (MASK << 16))) | MAGIC;
 }
 
-template <int MODE, int GS, int NT>
+/* Compile-time shape of one k_lin_mma instance: TR tiles per warp, NT n-tiles (2 tokens each);
+ * GP groups' codes are loaded at once (all loads of a warp in flight together), KC k-blocks of
+ * B fragments at once. */
+template <int MODE, int GS, int NT, int TR>
 struct lin_cfg {
     static constexpr int KBG = GS / 16;
     static constexpr int WPL = MODE == DFK_MMA_BF16 ? KBG * 4 : MODE * GS / 64;
     static constexpr int VEC = WPL < 4 ? WPL : 4;
     static constexpr int NVEC = WPL / VEC;
-    static constexpr int TR1 = 8 / NT;
-    static constexpr int TR2 = 32 / WPL;
-    static constexpr int TRM = (TR1 < TR2 ? TR1 : TR2) < 1 ? 1 : (TR1 < TR2 ? TR1 : TR2);
+    static constexpr int GP0 = 32 / (TR * WPL * (NT > 2 ? NT / 2 : 1));
+    static constexpr int GP = GP0 < 1 ? 1 : (GP0 > 8 ? 8 : GP0);
+    static constexpr int KC0 = 8 / NT;
+    static constexpr int KC = KC0 < KBG ? (KC0 < 1 ? 1 : KC0) : KBG;
 };
 
-template <int MODE, int GS, int NT>
+template <int VEC>
+static __device__ __forceinline__ void load_words(const uint32_t *p, uint32_t *w) {
+    if (VEC == 4) {
+        uint4 q = __ldcs(reinterpret_cast<const uint4 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+        w[VEC > 2 ? 2 : 0] = q.z;
+        w[VEC > 3 ? 3 : 0] = q.w;
+    } else if (VEC == 2) {
+        uint2 q = __ldcs(reinterpret_cast<const uint2 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+    } else {
+        w[0] = __ldcs(p);
+    }
+}
+
+/* One CTA = 8 warps = RW row-warps x KW K-slices; warp (rw, kw) handles TR tiles and the groups
+ * g = kw, kw + KW, ... in order; the KW partial sums are added in order kw = 0..KW-1. KW is a
+ * function of the weight's shape (cuda_backend.c), TR and the grid only distribute work. */
+template <int MODE, int GS, int NT, int TR>
 __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__ codes, const uint32_t *__restrict__ sb,
                                                  int sb_bf16, int rows, int tiles, int ng, int kbt,
                                                  const uint2 *__restrict__ xb, const float *__restrict__ xs, int M,
-                                                 int KW, int TR, float *__restrict__ y) {
-    typedef lin_cfg<MODE, GS, NT> C;
-    constexpr int TRM = C::TRM, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG;
-    __shared__ float red[8][TRM * NT * 2][32];
+                                                 int KW, float *__restrict__ y) {
+    typedef lin_cfg<MODE, GS, NT, TR> C;
+    constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP, KC = C::KC;
+    __shared__ float red[8][TR * NT * 2][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KW, rw = warp / KW, RW = 8 / KW;
     const int tile0 = (blockIdx.x * RW + rw) * TR;
     const float off = MODE == DFK_MMA_Q2 ? 4.0f : (MODE == DFK_MMA_Q4 ? 16.0f : 0.0f);
-
-    float yv[TRM][NT][2];
+    bool tvalid[TR];
 #pragma unroll
-    for (int tr = 0; tr < TRM; tr++)
+    for (int tr = 0; tr < TR; tr++) tvalid[tr] = tile0 + tr < tiles;
+
+    float yv[TR][NT][2];
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) yv[tr][nt][0] = yv[tr][nt][1] = 0.0f;
 
-    for (int grp = kw; grp < ng; grp += KW) {
-        uint32_t wr[TRM][WPL];
-        uint32_t sbv[TRM][2];
+    for (int gbase = kw; gbase < ng; gbase += KW * GP) {
+        /* every code load of the next GP groups first */
+        uint32_t wr[GP][TR][WPL];
+        uint32_t sbv[GP][TR][2];
 #pragma unroll
-        for (int tr = 0; tr < TRM; tr++) {
-            const int tile = tile0 + tr;
-            if (tr < TR && tile < tiles) {
-                const uint32_t *base = codes + ((size_t)tile * (size_t)ng + (size_t)grp) * (size_t)(WPL * 32);
+        for (int gi = 0; gi < GP; gi++) {
+            const int grp = gbase + gi * KW;
 #pragma unroll
-                for (int v = 0; v < NVEC; v++) {
-                    const uint32_t *p = base + ((size_t)v * 32 + (size_t)lane) * VEC;
-                    if (VEC == 4) {
-                        uint4 q = __ldcs(reinterpret_cast<const uint4 *>(p));
-                        wr[tr][v * VEC + 0] = q.x;
-                        wr[tr][v * VEC + (VEC > 1 ? 1 : 0)] = q.y;
-                        wr[tr][v * VEC + (VEC > 2 ? 2 : 0)] = q.z;
-                        wr[tr][v * VEC + (VEC > 3 ? 3 : 0)] = q.w;
-                    } else if (VEC == 2) {
-                        uint2 q = __ldcs(reinterpret_cast<const uint2 *>(p));
-                        wr[tr][v * VEC + 0] = q.x;
-                        wr[tr][v * VEC + (VEC > 1 ? 1 : 0)] = q.y;
+            for (int tr = 0; tr < TR; tr++) {
+                if (grp < ng && tvalid[tr]) {
+                    const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+                    const uint32_t *base = codes + tg * (size_t)(WPL * 32);
+#pragma unroll
+                    for (int v = 0; v < NVEC; v++)
+                        load_words<VEC>(base + ((size_t)v * 32 + (size_t)lane) * VEC, &wr[gi][tr][v * VEC]);
+                    if (MODE != DFK_MMA_BF16) {
+                        uint2 s2 = __ldg(reinterpret_cast<const uint2 *>(sb + (tg * 8 + (size_t)g) * 2));
+                        sbv[gi][tr][0] = s2.x;
+                        sbv[gi][tr][1] = s2.y;
                     } else {
-                        wr[tr][v * VEC] = __ldcs(p);
+                        sbv[gi][tr][0] = sbv[gi][tr][1] = 0;
                     }
-                }
-                if (MODE != DFK_MMA_BF16) {
-                    uint2 s2 = __ldg(reinterpret_cast<const uint2 *>(
-                        sb + (((size_t)tile * (size_t)ng + (size_t)grp) * 8 + (size_t)g) * 2));
-                    sbv[tr][0] = s2.x;
-                    sbv[tr][1] = s2.y;
                 } else {
-                    sbv[tr][0] = sbv[tr][1] = 0;
-                }
-            } else {
 #pragma unroll
-                for (int w = 0; w < WPL; w++) wr[tr][w] = 0;
-                sbv[tr][0] = sbv[tr][1] = 0;
-            }
-        }
-        float D[TRM][NT][4];
-#pragma unroll
-        for (int tr = 0; tr < TRM; tr++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) D[tr][nt][0] = D[tr][nt][1] = D[tr][nt][2] = D[tr][nt][3] = 0.0f;
-#pragma unroll
-        for (int kb = 0; kb < KBG; kb++) {
-            uint32_t bf[NT][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const int tok = 2 * nt + g / 3;
-                if (g < 6 && tok < M) {
-                    uint2 v = __ldg(&xb[((size_t)nt * (size_t)kbt + (size_t)(grp * KBG + kb)) * 32 + (size_t)lane]);
-                    bf[nt][0] = v.x;
-                    bf[nt][1] = v.y;
-                } else {
-                    bf[nt][0] = bf[nt][1] = 0;
-                }
-            }
-#pragma unroll
-            for (int tr = 0; tr < TRM; tr++) {
-                if (tr < TR) {
-                    uint32_t a[4];
-#pragma unroll
-                    for (int j = 0; j < 4; j++) a[j] = a_reg<MODE>(wr[tr], 4 * kb + j);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) mma_bf16(D[tr][nt], a, bf[nt]);
+                    for (int w = 0; w < WPL; w++) wr[gi][tr][w] = 0;
+                    sbv[gi][tr][0] = sbv[gi][tr][1] = 0;
                 }
             }
         }
-        /* epilogue: token 2nt = columns 0,1,2 (lanes t = 0, 1), token 2nt+1 = columns 3,4,5
-         * (lanes t = 1, 2); both summed as (hi + mid) + lo, owned by lanes t = 0 and t = 1 */
 #pragma unroll
-        for (int tr = 0; tr < TRM; tr++) {
+        for (int gi = 0; gi < GP; gi++) {
+            const int grp = gbase + gi * KW;
+            if (grp >= ng) break;
+            float D[TR][NT][4];
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const float *d = D[tr][nt];
-                float v0 = __shfl_down_sync(FULL_MASK, d[0], 1), v1 = __shfl_down_sync(FULL_MASK, d[1], 1);
-                float v2 = __shfl_down_sync(FULL_MASK, d[2], 1), v3 = __shfl_down_sync(FULL_MASK, d[3], 1);
-                float dg, dg8;
-                if (t == 0) {
-                    dg = (d[0] + d[1]) + v0;
-                    dg8 = (d[2] + d[3]) + v2;
-                } else {
-                    dg = (d[1] + v0) + v1;
-                    dg8 = (d[3] + v2) + v3;
-                }
-                if (MODE == DFK_MMA_BF16) {
-                    yv[tr][nt][0] = yv[tr][nt][0] + dg;
-                    yv[tr][nt][1] = yv[tr][nt][1] + dg8;
-                } else {
-                    const int tok = 2 * nt + t;
-                    float xsum = 0.0f;
-                    if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
-                    float s0 = h16_to_f32(sbv[tr][0], sb_bf16), b0 = h16_to_f32(sbv[tr][0] >> 16, sb_bf16);
-                    float s1 = h16_to_f32(sbv[tr][1], sb_bf16), b1 = h16_to_f32(sbv[tr][1] >> 16, sb_bf16);
-                    float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
-                    yv[tr][nt][0] = yv[tr][nt][0] + (s0 * dg + bb0 * xsum);
-                    yv[tr][nt][1] = yv[tr][nt][1] + (s1 * dg8 + bb1 * xsum);
+            for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) D[tr][nt][0] = D[tr][nt][1] = D[tr][nt][2] = D[tr][nt][3] = 0.0f;
+#pragma unroll
+            for (int kb0 = 0; kb0 < KBG; kb0 += KC) {
+                uint32_t bf[KC][NT][2];
+#pragma unroll
+                for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const int tok = 2 * nt + g / 3;
+                        if (g < 6 && tok < M) {
+                            uint2 v = __ldg(&xb[((size_t)nt * (size_t)kbt + (size_t)(grp * KBG + kb0 + kc)) * 32 +
+                                                (size_t)lane]);
+                            bf[kc][nt][0] = v.x;
+                            bf[kc][nt][1] = v.y;
+                        } else {
+                            bf[kc][nt][0] = bf[kc][nt][1] = 0;
+                        }
+                    }
+#pragma unroll
+                for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+                    for (int tr = 0; tr < TR; tr++) {
+                        uint32_t a[4];
+#pragma unroll
+                        for (int j = 0; j < 4; j++) a[j] = a_reg<MODE>(wr[gi][tr], 4 * (kb0 + kc) + j);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) mma_bf16(D[tr][nt], a, bf[kc][nt]);
+                    }
+            }
+            /* epilogue: token 2nt = columns 0,1,2 (lanes t = 0, 1), token 2nt+1 = columns 3,4,5
+             * (lanes t = 1, 2); both summed as (hi + mid) + lo, owned by lanes t = 0 and t = 1 */
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const float *d = D[tr][nt];
+                    float v0 = __shfl_down_sync(FULL_MASK, d[0], 1), v1 = __shfl_down_sync(FULL_MASK, d[1], 1);
+                    float v2 = __shfl_down_sync(FULL_MASK, d[2], 1), v3 = __shfl_down_sync(FULL_MASK, d[3], 1);
+                    float dg, dg8;
+                    if (t == 0) {
+                        dg = (d[0] + d[1]) + v0;
+                        dg8 = (d[2] + d[3]) + v2;
+                    } else {
+                        dg = (d[1] + v0) + v1;
+                        dg8 = (d[3] + v2) + v3;
+                    }
+                    if (MODE == DFK_MMA_BF16) {
+                        yv[tr][nt][0] = yv[tr][nt][0] + dg;
+                        yv[tr][nt][1] = yv[tr][nt][1] + dg8;
+                    } else {
+                        const int tok = 2 * nt + t;
+                        float xsum = 0.0f;
+                        if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
+                        float s0 = h16_to_f32(sbv[gi][tr][0], sb_bf16), b0 = h16_to_f32(sbv[gi][tr][0] >> 16, sb_bf16);
+                        float s1 = h16_to_f32(sbv[gi][tr][1], sb_bf16), b1 = h16_to_f32(sbv[gi][tr][1] >> 16, sb_bf16);
+                        float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
+                        yv[tr][nt][0] = yv[tr][nt][0] + (s0 * dg + bb0 * xsum);
+                        yv[tr][nt][1] = yv[tr][nt][1] + (s1 * dg8 + bb1 * xsum);
+                    }
                 }
             }
         }
@@ -421,7 +451,7 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
     /* K-slices: warp (rw, kw) partials summed in order kw = 0..KW-1 by warp (rw, 0) */
     if (KW > 1) {
 #pragma unroll
-        for (int tr = 0; tr < TRM; tr++)
+        for (int tr = 0; tr < TR; tr++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
@@ -430,7 +460,7 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
         __syncthreads();
         if (kw != 0) return;
 #pragma unroll
-        for (int tr = 0; tr < TRM; tr++)
+        for (int tr = 0; tr < TR; tr++)
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
@@ -444,9 +474,9 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
     }
     if (t >= 2) return;
 #pragma unroll
-    for (int tr = 0; tr < TRM; tr++) {
+    for (int tr = 0; tr < TR; tr++) {
         const int tile = tile0 + tr;
-        if (tr >= TR || tile >= tiles) continue;
+        if (!tvalid[tr]) continue;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int tok = 2 * nt + t;
@@ -458,25 +488,43 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
     }
 }
 
-template <int MODE, int GS, int NT>
+template <int MODE, int GS, int NT, int TR>
 static int launch_lin(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols, const uint32_t *xb,
-                      const float *xs, int M, int KW, int TR, float *y) {
+                      const float *xs, int M, int KW, float *y) {
     const int tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
     const int per_block = RW * TR;
     const unsigned blocks = (unsigned)((tiles + per_block - 1) / per_block);
-    k_lin_mma<MODE, GS, NT><<<blocks, 256>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
-                                             reinterpret_cast<const uint2 *>(xb), xs, M, KW, TR, y);
+    k_lin_mma<MODE, GS, NT, TR><<<blocks, 256, 0, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
+                                                              reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
     return launch_status();
+}
+
+/* TR choices per (mode, NT): the heavy formats (2-bit group 128, bf16) get 1, 2, 4, 8 tiles
+ * per warp (as registers allow), the others 1. */
+template <int MODE, int GS, int NT>
+static int launch_lin_tr(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                         const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    constexpr bool q2 = MODE == DFK_MMA_Q2 && GS == 128, bf = MODE == DFK_MMA_BF16;
+    if constexpr (q2 && NT == 1) {
+        if (TR >= 8) return launch_lin<MODE, GS, NT, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    if constexpr ((q2 || bf) && NT == 1) {
+        if (TR >= 4) return launch_lin<MODE, GS, NT, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    if constexpr ((q2 || bf) && NT <= 2) {
+        if (TR >= 2) return launch_lin<MODE, GS, NT, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    return launch_lin<MODE, GS, NT, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
 }
 
 template <int MODE, int GS>
 static int launch_lin_nt(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
                          const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
     const int pairs = (M + 1) / 2;
-    if (pairs <= 1) return launch_lin<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-    if (pairs <= 2) return launch_lin<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-    if (pairs <= 4) return launch_lin<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-    return launch_lin<MODE, GS, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    return launch_lin_tr<MODE, GS, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
 }
 
 static int nt_of(int M) {
@@ -486,16 +534,14 @@ static int nt_of(int M) {
 
 extern "C" int dfk_linear_mma_max_tr(int mode, int gs, int M) {
     const int nt = nt_of(M);
-    const int wpl = mode == DFK_MMA_BF16 ? (gs / 16) * 4 : mode * gs / 64;
-    int tr1 = 8 / nt, tr2 = 32 / wpl;
-    int tr = tr1 < tr2 ? tr1 : tr2;
-    return tr < 1 ? 1 : tr;
+    const int q2 = mode == DFK_MMA_Q2 && gs == 128, bf = mode == DFK_MMA_BF16;
+    if (!q2 && !bf) return 1;
+    return nt <= 1 ? (q2 ? 8 : 4) : (nt <= 2 ? 2 : 1);
 }
 
 extern "C" int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows,
                               int cols, const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
-    if (M < 1 || M > DFK_MAX_ROWS || (KW != 1 && KW != 2 && KW != 4 && KW != 8) || TR < 1 ||
-        TR > dfk_linear_mma_max_tr(mode, gs, M))
+    if (M < 1 || M > DFK_MAX_ROWS || (KW != 1 && KW != 2 && KW != 4 && KW != 8) || TR < 1)
         return (int)cudaErrorInvalidValue;
     switch (mode) {
     case DFK_MMA_Q2:
@@ -562,7 +608,7 @@ __global__ void k_lin_simple(const void *__restrict__ w, int wdtype, const uint1
 
 extern "C" int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const uint16_t *biases,
                                  int sb_bf16, int bits, int gs, int rows, int cols, const float *xf, int M, float *y) {
-    k_lin_simple<<<(unsigned)((rows + 7) / 8), 256>>>(w, wdtype, scales, biases, sb_bf16, bits, gs, rows, cols, xf, M,
+    k_lin_simple<<<(unsigned)((rows + 7) / 8), 256, 0, g_stream>>>(w, wdtype, scales, biases, sb_bf16, bits, gs, rows, cols, xf, M,
                                                       y);
     return launch_status();
 }
@@ -611,7 +657,7 @@ __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__re
 extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits,
                          int gs, const void *dense, int wdtype, int rows, int cols, const float *signs, int hb,
                          float hscale, dfk_rows16 ids, int M, float *out) {
-    k_embed<<<(unsigned)M, 256, (size_t)cols * sizeof(float)>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
+    k_embed<<<(unsigned)M, 256, (size_t)cols * sizeof(float), g_stream>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
                                                                 wdtype, rows, cols, signs, hb, hscale, ids, out);
     return launch_status();
 }
@@ -630,7 +676,7 @@ __global__ void k_rmsnorm(const float *x, const float *w, int width, float eps, 
 }
 
 extern "C" int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, float *y) {
-    k_rmsnorm<<<(unsigned)rows, 256>>>(x, w, width, eps, y);
+    k_rmsnorm<<<(unsigned)rows, 256, 0, g_stream>>>(x, w, width, eps, y);
     return launch_status();
 }
 
@@ -651,12 +697,12 @@ static unsigned ew_blocks(size_t n) {
 }
 
 extern "C" int dfk_add(float *y, const float *x, size_t n) {
-    k_add<<<ew_blocks(n), 256>>>(y, x, n);
+    k_add<<<ew_blocks(n), 256, 0, g_stream>>>(y, x, n);
     return launch_status();
 }
 
 extern "C" int dfk_swiglu(const float *gate, const float *up, size_t n, float *out) {
-    k_swiglu<<<ew_blocks(n), 256>>>(gate, up, n, out);
+    k_swiglu<<<ew_blocks(n), 256, 0, g_stream>>>(gate, up, n, out);
     return launch_status();
 }
 
@@ -695,7 +741,7 @@ __global__ void k_argmax(const float *x, int width, int32_t *out) {
 }
 
 extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
-    k_argmax<<<(unsigned)rows, 1024>>>(x, width, out);
+    k_argmax<<<(unsigned)rows, 1024, 0, g_stream>>>(x, width, out);
     return launch_status();
 }
 
@@ -755,24 +801,26 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
                            const float *q_norm, const float *k_norm, int rot, float theta, float eps,
                            dfk_rows16 positions, int M, float *k_cache, float *v_cache, int pos0) {
     dim3 grid((unsigned)M, (unsigned)((q ? nh : 0) + nkv));
-    k_qk_prep<<<grid, 128>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions, k_cache,
+    k_qk_prep<<<grid, 128, 0, g_stream>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions, k_cache,
                              v_cache, pos0);
     return launch_status();
 }
 
 /* One block per (row m, chunk, kv head), handling the G = nh/nkv query heads of the group so
  * that each K/V row of the chunk is read once per row m (blocks of the same chunk are adjacent
- * in launch order and share it through L2). Per head: scores (a warp per position: lanes over
- * d in a fixed order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
- * o[d] = Σ_t p_t v_t[d] in position order. part[m, h, c] = (o[0..hd), max, sum). */
+ * in launch order and share it through L2). Per head: scores (a warp per position, four
+ * positions at a time: lanes over d in a fixed order + xor tree), chunk max and exp-sum (fixed
+ * trees), unnormalised output o[d] = Σ_t p_t v_t[d] in position order.
+ * part[m, h, c] = (o[0..hd), max, sum). */
 #define ATTN_MAX_G 16
+template <int GM>
 __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
                                                    const float *k_cache, const float *v_cache, float scale, int causal,
                                                    int pos0, int M, int nchunk, float *part) {
     __shared__ float sq[4096];
-    __shared__ float sc[ATTN_MAX_G][DFK_ATTN_CHUNK];
+    __shared__ float sc[GM][DFK_ATTN_CHUNK];
     __shared__ float red[256];
-    __shared__ float smx[ATTN_MAX_G], ssum[ATTN_MAX_G];
+    __shared__ float smx[GM], ssum[GM];
     const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
     const int t0 = c * DFK_ATTN_CHUNK;
@@ -784,13 +832,39 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int tt = warp; tt < n; tt += nw) {
-        const float *kr = k_cache + ((size_t)(t0 + tt) * (size_t)nkv + (size_t)kvh) * (size_t)hd;
-        for (int gi = 0; gi < G; gi++) {
-            float acc = 0.0f;
-            for (int d = lane; d < hd; d += 32) acc = acc + sq[gi * hd + d] * kr[d];
-            acc = warp_sum(acc);
-            if (lane == 0) sc[gi][tt] = acc * scale;
+    const size_t kstride = (size_t)nkv * (size_t)hd;
+    const float *kbase = k_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
+    for (int tt0 = warp; tt0 < n; tt0 += nw * 4) {
+        float acc[4][GM];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
+#pragma unroll 2
+        for (int d = lane; d < hd; d += 32) {
+            float kv[4];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const int tt = tt0 + p * nw;
+                kv[p] = tt < n ? kbase[(size_t)tt * kstride + (size_t)d] : 0.0f;
+            }
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) break;
+                const float qd = sq[gi * hd + d];
+#pragma unroll
+                for (int p = 0; p < 4; p++) acc[p][gi] = acc[p][gi] + qd * kv[p];
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const int tt = tt0 + p * nw;
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) break;
+                float v = warp_sum(acc[p][gi]);
+                if (lane == 0 && tt < n) sc[gi][tt] = v * scale;
+            }
         }
     }
     __syncthreads();
@@ -818,25 +892,27 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
         }
     }
     __syncthreads();
+    const float *vbase = v_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o[ATTN_MAX_G];
+        float o[GM];
 #pragma unroll
-        for (int gi = 0; gi < ATTN_MAX_G; gi++) o[gi] = 0.0f;
+        for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
+#pragma unroll 8
         for (int tt = 0; tt < n; tt++) {
-            const float vv = v_cache[((size_t)(t0 + tt) * (size_t)nkv + (size_t)kvh) * (size_t)hd + (size_t)d];
+            const float vv = vbase[(size_t)tt * kstride + (size_t)d];
 #pragma unroll
-            for (int gi = 0; gi < ATTN_MAX_G; gi++)
+            for (int gi = 0; gi < GM; gi++)
                 if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
         }
 #pragma unroll
-        for (int gi = 0; gi < ATTN_MAX_G; gi++) {
+        for (int gi = 0; gi < GM; gi++) {
             if (gi >= G) break;
             float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)nchunk + (size_t)c) *
                                    (size_t)(hd + 2);
             pr[d] = o[gi];
         }
     }
-    if (threadIdx.x < G) {
+    if ((int)threadIdx.x < G) {
         float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + threadIdx.x)) * (size_t)nchunk + (size_t)c) *
                                (size_t)(hd + 2);
         pr[hd] = smx[threadIdx.x];
@@ -881,11 +957,19 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
     const float scale = 1.0f / sqrtf((float)hd);
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
     dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
-    k_attn_part<<<g1, 256>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    const int G = nh / nkv;
+    if (G <= 2)
+        k_attn_part<2><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else if (G <= 4)
+        k_attn_part<4><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else if (G <= 8)
+        k_attn_part<8><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else
+        k_attn_part<16><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
     int st = launch_status();
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M);
-    k_attn_combine<<<g2, 128>>>(q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
+    k_attn_combine<<<g2, 128, 0, g_stream>>>(q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
     return launch_status();
 }
 
@@ -924,7 +1008,7 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
 extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state,
                             float *conv_out) {
     if (K < 1 || K > GDN_MAX_K) return (int)cudaErrorInvalidValue;
-    k_gdn_conv<<<(unsigned)((C + 255) / 256), 256>>>(qkv, conv_w, C, K, M, conv_state, conv_out);
+    k_gdn_conv<<<(unsigned)((C + 255) / 256), 256, 0, g_stream>>>(qkv, conv_w, C, K, M, conv_state, conv_out);
     return launch_status();
 }
 
@@ -934,7 +1018,7 @@ static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ?
  * registers (SPT = dk/4). Per row, in order: decay, m = Sᵀk (4 partial sums added in order),
  * d = (v - m)·β, S += k ⊗ d, o = Sᵀq (same), gated RMSNorm. */
 template <int SPT>
-__global__ void k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
+__global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
                           const float *dt_bias, const float *norm_w, int nk, int nv, int dv, float eps, int M,
                           float *S, float *out) {
     constexpr int DK = 4 * SPT;
@@ -1015,15 +1099,15 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
     const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
     switch (dk) {
     case 32:
-        k_gdn_rec<8><<<(unsigned)nv, threads, smem>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+        k_gdn_rec<8><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
                                                       S, out);
         break;
     case 64:
-        k_gdn_rec<16><<<(unsigned)nv, threads, smem>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+        k_gdn_rec<16><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
                                                        S, out);
         break;
     case 128:
-        k_gdn_rec<32><<<(unsigned)nv, threads, smem>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+        k_gdn_rec<32><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
                                                        S, out);
         break;
     default:

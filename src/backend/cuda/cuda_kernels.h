@@ -28,6 +28,9 @@ typedef struct dfk_rows16 {
     int32_t v[DFK_MAX_ROWS];
 } dfk_rows16;
 
+/* Stream of every op launcher (a cudaStream_t; NULL = the legacy default stream). */
+void dfk_set_stream(void *stream);
+
 /* ---- weights: device-side repacking (run once at upload) ------------------------------- */
 
 /* Repacks MLX affine codes (raw: uint32 [rows, cols*bits/32], scales/biases: 16-bit
@@ -103,7 +106,7 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
 /* Attention of M rows over the cache in chunks of DFK_ATTN_CHUNK positions: row m sees
  * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
  * part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd] (· sigmoid(gate) when gated). */
-#define DFK_ATTN_CHUNK 256
+#define DFK_ATTN_CHUNK 128
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                   const float *v_cache, int causal, int pos0, int M, int nchunk, float *part, float *out);
 
