@@ -44,7 +44,7 @@ static void make(wset *q, int rows, int cols, int quant) {
     q->L.name = "bench";
     q->L.rows = rows;
     q->L.cols = cols;
-    if (quant) {
+    if (quant == 1) {
         size_t words = (size_t)rows * (size_t)cols / 16;
         uint32_t *w = malloc(words * 4);
         for (size_t i = 0; i < words; i++) w[i] = urand() & 0x55555555u;
@@ -70,7 +70,7 @@ static void make(wset *q, int rows, int cols, int quant) {
         size_t n = (size_t)rows * (size_t)cols;
         uint16_t *w = malloc(n * 2);
         for (size_t i = 0; i < n; i++) w[i] = (uint16_t)(0x3c00u | (urand() & 0x03ffu)) ^ (uint16_t)(urand() & 0x8000u);
-        q->L.wdtype = DF_DTYPE_BF16;
+        q->L.wdtype = quant == 2 ? DF_DTYPE_F16 : DF_DTYPE_BF16;
         q->w = w;
     }
     q->L.w = q->w;
@@ -101,6 +101,7 @@ int main(int argc, char **argv) {
         {"gdn in_proj_qkv", 10240, 5120, 1}, {"gdn in_proj_z", 6144, 5120, 1},  {"gdn out_proj", 5120, 6144, 1},
         {"attn q_proj", 12288, 5120, 1},     {"attn k_proj", 1024, 5120, 1},    {"attn o_proj", 5120, 6144, 1},
         {"mlp gate/up", 17408, 5120, 1},     {"mlp down", 5120, 17408, 1},      {"lm_head", 248320, 5120, 1},
+        {"gdn in_proj_a f16", 48, 5120, 2},
         {"drafter gate/up bf16", 17408, 5120, 0}, {"drafter down bf16", 5120, 17408, 0}, {"drafter q bf16", 4096, 5120, 0},
     };
     float *x = malloc((size_t)16 * 17408 * 4);

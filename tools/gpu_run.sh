@@ -57,6 +57,13 @@ for s in $STEPS; do
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8 \
       --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+  exp)
+    for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env $v timeout 120 "$BIN/bench_cuda_ops" --iters 20 2>&1 | grep -E "gdn in_proj_qkv|mlp gate|mlp down|lm_head|k_proj" | tee -a "$OUT/summary.txt"
+    done
+    echo "-- plain decode without graphs" | tee -a "$OUT/summary.txt"
+    DFLASH_CUDA_GRAPHS=0 timeout 200 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor|steps" | tee -a "$OUT/summary.txt" ;;
   mem)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \

@@ -293,6 +293,14 @@ int df_cmd_bench(int argc, char **argv) {
     printf("prefill: %d tokens in %.1f ms = %.1f tok/s\n", o.ctx, prefill_ms, o.ctx * 1000.0 / prefill_ms);
     printf("plain decode at context %d: %.3f ms/token = %.1f tok/s (%d tokens, device argmax)\n", o.ctx, step_ms,
            1000.0 / step_ms, o.gen);
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats cs;
+        df_backend_cuda_stats(e->be, &cs);
+        printf("  CUDA steps so far: %ld, replayed as graphs: %ld, graphs captured: %ld\n", cs.steps, cs.graph_replays,
+               cs.graph_captures);
+    }
+#endif
     if (bw > 0) {
         double bytes = wb + sb + kvb, floor_ms = bytes / (bw * 1e9) * 1000.0;
         printf("  floor: %.3f GB/token (weights %.3f + GDN states %.3f + KV %.3f) / %.0f GB/s = %.3f ms = %.1f tok/s;"

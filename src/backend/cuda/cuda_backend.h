@@ -10,6 +10,11 @@
  * other format runs on CUDA cores. Setting the environment variable DFLASH_CUDA_LINEAR=simple
  * before creating the backend forces the CUDA-core path for all linears (a cross-check).
  *
+ * Ops are recorded and run in steps at the next point where the host needs a result; a step
+ * that repeats (a decode step, a verify pass of the same block size) is replayed as a CUDA
+ * graph (DFLASH_CUDA_GRAPHS=0 disables graphs). Values that change between replays (token ids,
+ * positions, cache lengths, host data) are read by the kernels from device memory.
+ *
  * Exactness: see cuda_kernels.h. An op that fails (out of memory, CUDA error, unsupported
  * shape) sets be->failed; df_backend_cuda_last_error gives the message.
  */
@@ -31,12 +36,15 @@ typedef struct df_cuda_stats {
     size_t peak_bytes;     /* the most it held since creation or the last reset */
     size_t weight_bytes;   /* of which uploaded weights (repacked size) */
     int n_weights;         /* weight entries uploaded */
+    long steps;            /* recorded steps run (see cuda_backend.c: steps and graphs) */
+    long graph_replays;    /* of which replayed as a CUDA graph */
+    long graph_captures;   /* graphs captured */
 } df_cuda_stats;
 
 void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st);
 /* Sets peak_bytes to cur_bytes. */
 void df_backend_cuda_reset_peak(df_backend *be);
-/* Waits for all queued device work (for timing). */
+/* Runs the recorded ops and waits for all device work (for timing). */
 void df_backend_cuda_sync(df_backend *be);
 
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per

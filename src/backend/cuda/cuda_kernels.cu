@@ -568,18 +568,23 @@ static __device__ __forceinline__ float dense_at(const void *w, int wdtype, size
     return h16_to_f32(h, wdtype == 1);
 }
 
-__global__ void k_lin_simple(const void *__restrict__ w, int wdtype, const uint16_t *__restrict__ scales,
-                             const uint16_t *__restrict__ biases, int sb_bf16, int bits, int gs, int rows, int cols,
-                             const float *__restrict__ xf, int M, float *__restrict__ y) {
-    const int lane = threadIdx.x & 31, row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= rows) return;
+/* One block (256 threads) per output row: thread i takes columns i, i + 256, ... in order (four
+ * loads in flight), then a fixed tree over the block per token row. */
+__global__ void __launch_bounds__(256) k_lin_simple(const void *__restrict__ w, int wdtype,
+                                                    const uint16_t *__restrict__ scales,
+                                                    const uint16_t *__restrict__ biases, int sb_bf16, int bits,
+                                                    int gs, int rows, int cols, const float *__restrict__ xf, int M,
+                                                    float *__restrict__ y) {
+    __shared__ float red[DFK_MAX_ROWS][256];
+    const int row = blockIdx.x, tid = threadIdx.x;
     float acc[DFK_MAX_ROWS];
 #pragma unroll
     for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
     const size_t wpr = bits > 0 ? (size_t)cols * (size_t)bits / 32 : 0;
     const int ng = bits > 0 ? cols / gs : 0;
     const uint32_t *qrow = bits > 0 ? (const uint32_t *)w + (size_t)row * wpr : NULL;
-    for (int c = lane; c < cols; c += 32) {
+#pragma unroll 4
+    for (int c = tid; c < cols; c += 256) {
         float wv;
         if (bits > 0) {
             size_t bit = (size_t)c * (size_t)bits;
@@ -599,17 +604,21 @@ __global__ void k_lin_simple(const void *__restrict__ w, int wdtype, const uint1
             if (m < M) acc[m] = acc[m] + wv * xf[(size_t)m * (size_t)cols + (size_t)c];
     }
 #pragma unroll
-    for (int m = 0; m < DFK_MAX_ROWS; m++) {
-        if (m >= M) break;
-        float s = warp_sum(acc[m]);
-        if (lane == 0) y[(size_t)m * (size_t)rows + (size_t)row] = s;
+    for (int m = 0; m < DFK_MAX_ROWS; m++)
+        if (m < M) red[m][tid] = acc[m];
+    __syncthreads();
+    for (int s2 = 128; s2 > 0; s2 >>= 1) {
+        if (tid < s2)
+            for (int m = 0; m < M; m++) red[m][tid] = red[m][tid] + red[m][tid + s2];
+        __syncthreads();
     }
+    if (tid < M) y[(size_t)tid * (size_t)rows + (size_t)row] = red[tid][0];
 }
 
 extern "C" int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const uint16_t *biases,
                                  int sb_bf16, int bits, int gs, int rows, int cols, const float *xf, int M, float *y) {
-    k_lin_simple<<<(unsigned)((rows + 7) / 8), 256, 0, g_stream>>>(w, wdtype, scales, biases, sb_bf16, bits, gs, rows, cols, xf, M,
-                                                      y);
+    k_lin_simple<<<(unsigned)rows, 256, 0, g_stream>>>(w, wdtype, scales, biases, sb_bf16, bits, gs, rows, cols, xf,
+                                                       M, y);
     return launch_status();
 }
 
@@ -618,9 +627,9 @@ extern "C" int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scal
 __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__restrict__ scales,
                         const uint16_t *__restrict__ biases, int sb_bf16, int bits, int gs, const void *dense,
                         int wdtype, int rows, int cols, const float *__restrict__ signs, int hb, float hscale,
-                        dfk_rows16 ids, float *__restrict__ out) {
+                        const int32_t *__restrict__ ids, float *__restrict__ out) {
     extern __shared__ float sm[];
-    const int m = blockIdx.x, id = ids.v[m];
+    const int m = blockIdx.x, id = ids[m];
     float *o = out + (size_t)m * (size_t)cols;
     if (id < 0 || id >= rows) {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = 0.0f;
@@ -656,7 +665,7 @@ __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__re
 
 extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits,
                          int gs, const void *dense, int wdtype, int rows, int cols, const float *signs, int hb,
-                         float hscale, dfk_rows16 ids, int M, float *out) {
+                         float hscale, const int32_t *ids, int M, float *out) {
     k_embed<<<(unsigned)M, 256, (size_t)cols * sizeof(float), g_stream>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
                                                                 wdtype, rows, cols, signs, hb, hscale, ids, out);
     return launch_status();
@@ -749,7 +758,8 @@ extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
 
 __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
                           const float *q_norm, const float *k_norm, int rot, float theta, float eps,
-                          dfk_rows16 positions, float *k_cache, float *v_cache, int pos0) {
+                          const int32_t *positions, float *k_cache, float *v_cache) {
+    const int pos0 = positions[DFK_MAX_ROWS];
     __shared__ float sv[1024];
     __shared__ float red[128];
     const int m = blockIdx.x, h = blockIdx.y;
@@ -776,7 +786,7 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         __syncthreads();
     }
     const int half = rot / 2;
-    const int32_t pos = positions.v[m];
+    const int32_t pos = positions[m];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot);
         float f = (float)((double)pos * inv_freq);
@@ -799,10 +809,10 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
 
 extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
                            const float *q_norm, const float *k_norm, int rot, float theta, float eps,
-                           dfk_rows16 positions, int M, float *k_cache, float *v_cache, int pos0) {
+                           const int32_t *positions, int M, float *k_cache, float *v_cache) {
     dim3 grid((unsigned)M, (unsigned)((q ? nh : 0) + nkv));
-    k_qk_prep<<<grid, 128, 0, g_stream>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions, k_cache,
-                             v_cache, pos0);
+    k_qk_prep<<<grid, 128, 0, g_stream>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions,
+                                          k_cache, v_cache);
     return launch_status();
 }
 
@@ -816,7 +826,8 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
 template <int GM>
 __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
                                                    const float *k_cache, const float *v_cache, float scale, int causal,
-                                                   int pos0, int M, int nchunk, float *part) {
+                                                   const int32_t *pos0p, int M, int nchunk, float *part) {
+    const int pos0 = *pos0p;
     __shared__ float sq[4096];
     __shared__ float sc[GM][DFK_ATTN_CHUNK];
     __shared__ float red[256];
@@ -921,8 +932,9 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 }
 
 /* One block per (head, row): chunks combined in order. */
-__global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal, int pos0, int M,
-                               int nchunk, const float *part, float *out) {
+__global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal,
+                               const int32_t *pos0p, int M, int nchunk, const float *part, float *out) {
+    const int pos0 = *pos0p;
     __shared__ float wsm[1024];
     const int h = blockIdx.x, m = blockIdx.y;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
@@ -953,7 +965,8 @@ __global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, i
 }
 
 extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
-                             const float *v_cache, int causal, int pos0, int M, int nchunk, float *part, float *out) {
+                             const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part,
+                             float *out) {
     const float scale = 1.0f / sqrtf((float)hd);
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
     dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);

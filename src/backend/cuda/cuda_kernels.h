@@ -23,11 +23,6 @@ extern "C" {
 /* Weight formats of the tensor-core linear (dfk_linear_mma). */
 enum { DFK_MMA_Q2 = 2, DFK_MMA_Q4 = 4, DFK_MMA_Q8 = 8, DFK_MMA_BF16 = 16 };
 
-/* Host-side row ids / positions passed by value to a kernel (up to DFK_MAX_ROWS rows). */
-typedef struct dfk_rows16 {
-    int32_t v[DFK_MAX_ROWS];
-} dfk_rows16;
-
 /* Stream of every op launcher (a cudaStream_t; NULL = the legacy default stream). */
 void dfk_set_stream(void *stream);
 
@@ -80,12 +75,12 @@ int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const u
 
 /* ---- elementwise and norms ------------------------------------------------------------------ */
 
-/* out[m, :] = embedding row ids[m] (host values in a struct): dequantized (MLX layout,
+/* out[m, :] = embedding row ids[m] (ids: device int32 [M]): dequantized (MLX layout,
  * rounded to fp16) or dense (wdtype as dfk_linear_simple), then when hb > 0:
  * fp16(signs ⊙ Hn(row)). Ids outside [0, rows) give zeros. */
 int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits, int gs,
               const void *dense, int wdtype, int rows, int cols, const float *signs, int hb, float hscale,
-              dfk_rows16 ids, int M, float *out);
+              const int32_t *ids, int M, float *out);
 
 int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, float *y);
 int dfk_add(float *y, const float *x, size_t n);
@@ -98,17 +93,22 @@ int dfk_argmax(const float *x, int rows, int width, int32_t *out);
 
 /* Per row m and head: q heads (when q != NULL) RMSNorm (q_norm) + partial RoPE in place;
  * k heads RMSNorm (k_norm) + RoPE in place, then k and v rows stored in the cache at index
- * pos0 + m. positions: RoPE positions (host values). Norm weights may be NULL. */
+ * pos0 + m. positions: device int32 [DFK_MAX_ROWS + 1]: the RoPE positions of the rows, then
+ * pos0 at index DFK_MAX_ROWS (device memory, so that a replayed graph reads new values). Norm
+ * weights may be NULL. */
 int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd, const float *q_norm,
-                const float *k_norm, int rot, float theta, float eps, dfk_rows16 positions, int M, float *k_cache,
-                float *v_cache, int pos0);
+                const float *k_norm, int rot, float theta, float eps, const int32_t *positions, int M, float *k_cache,
+                float *v_cache);
 
 /* Attention of M rows over the cache in chunks of DFK_ATTN_CHUNK positions: row m sees
  * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
- * part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd] (· sigmoid(gate) when gated). */
+ * pos0: device int32 (read by the kernels); nchunk: any bound >= the chunks needed (blocks past
+ * a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
+ * (· sigmoid(gate) when gated). Returns -1 for an unsupported shape (more than 16 query heads
+ * per KV head, or group x head_dim above 4096). */
 #define DFK_ATTN_CHUNK 128
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
-                  const float *v_cache, int causal, int pos0, int M, int nchunk, float *part, float *out);
+                  const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
 
 /* ---- Gated DeltaNet ----------------------------------------------------------------------- */
 
