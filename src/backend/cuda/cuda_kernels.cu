@@ -58,6 +58,9 @@ static int launch_status(void) { return (int)cudaGetLastError(); }
 
 /* The stream every launcher uses (dfk_set_stream; 0 = the legacy default stream). */
 static cudaStream_t g_stream = 0;
+/* 1: never use the decode kernel (k_lin_mma_dec), for cross-checks (DFLASH_CUDA_NO_DEC=1) */
+static int g_no_dec = 0;
+extern "C" void dfk_set_no_dec(int v) { g_no_dec = v; }
 
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
 
@@ -488,6 +491,156 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
     }
 }
 
+/* The decode path (NT == 1: one or two tokens): a persistent grid of about two blocks per SM;
+ * each block first copies the B fragments of the whole K range (the 24 lanes that carry data,
+ * 192 bytes per 16 columns) into shared memory, then walks its tiles (tile = block, block +
+ * grid, ...). Per tile the arithmetic is exactly k_lin_mma's with TR = 1 (same K-slices, same
+ * group order, same MMA sequence, same epilogue, same K-slice sum), so its bits equal the
+ * general kernel's for every row. */
+template <int MODE, int GS>
+__global__ void __launch_bounds__(256, 1) k_lin_mma_dec(const uint32_t *__restrict__ codes,
+                                                     const uint32_t *__restrict__ sb, int sb_bf16, int rows, int tiles,
+                                                     int ng, int kbt, const uint2 *__restrict__ xb,
+                                                     const float *__restrict__ xs, int M, int KW,
+                                                     float *__restrict__ y) {
+    typedef lin_cfg<MODE, GS, 1, 1> C;
+    constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP;
+    extern __shared__ uint2 sxb[]; /* [kbt][24] */
+    __shared__ float red[8][2][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kw = warp % KW, rw = warp / KW, RW = 8 / KW;
+    const float off = MODE == DFK_MMA_Q2 ? 4.0f : (MODE == DFK_MMA_Q4 ? 16.0f : 0.0f);
+    for (int i = threadIdx.x; i < kbt * 24; i += blockDim.x) {
+        const int kb = i / 24, l = i % 24, tok = l / 12;
+        uint2 v = make_uint2(0u, 0u);
+        if (tok < M) v = __ldg(&xb[(size_t)kb * 32 + (size_t)l]);
+        sxb[i] = v;
+    }
+    __syncthreads();
+    const bool bvalid = g < 6 && g / 3 < M;
+    for (int tbase = blockIdx.x * RW; tbase < tiles; tbase += gridDim.x * RW) {
+        const int tile = tbase + rw;
+        const bool tv = tile < tiles;
+        float yv0 = 0.0f, yv1 = 0.0f;
+        for (int gbase = kw; gbase < ng; gbase += KW * GP) {
+            uint32_t wr[GP][WPL];
+            uint32_t sbv[GP][2];
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                if (grp < ng && tv) {
+                    const size_t tg = (size_t)tile * (size_t)ng + (size_t)grp;
+                    const uint32_t *base = codes + tg * (size_t)(WPL * 32);
+#pragma unroll
+                    for (int v = 0; v < NVEC; v++)
+                        load_words<VEC>(base + ((size_t)v * 32 + (size_t)lane) * VEC, &wr[gi][v * VEC]);
+                    if (MODE != DFK_MMA_BF16) {
+                        uint2 s2 = __ldg(reinterpret_cast<const uint2 *>(sb + (tg * 8 + (size_t)g) * 2));
+                        sbv[gi][0] = s2.x;
+                        sbv[gi][1] = s2.y;
+                    } else {
+                        sbv[gi][0] = sbv[gi][1] = 0;
+                    }
+                } else {
+#pragma unroll
+                    for (int w = 0; w < WPL; w++) wr[gi][w] = 0;
+                    sbv[gi][0] = sbv[gi][1] = 0;
+                }
+            }
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                if (grp >= ng) break;
+                float D[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int kb = 0; kb < KBG; kb++) {
+                    uint32_t bf[2] = {0u, 0u};
+                    if (bvalid) {
+                        uint2 v = sxb[(grp * KBG + kb) * 24 + g * 4 + t];
+                        bf[0] = v.x;
+                        bf[1] = v.y;
+                    }
+                    uint32_t a[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) a[j] = a_reg<MODE>(wr[gi], 4 * kb + j);
+                    mma_bf16(D, a, bf);
+                }
+                float v0 = __shfl_down_sync(FULL_MASK, D[0], 1), v1 = __shfl_down_sync(FULL_MASK, D[1], 1);
+                float v2 = __shfl_down_sync(FULL_MASK, D[2], 1), v3 = __shfl_down_sync(FULL_MASK, D[3], 1);
+                float dg, dg8;
+                if (t == 0) {
+                    dg = (D[0] + D[1]) + v0;
+                    dg8 = (D[2] + D[3]) + v2;
+                } else {
+                    dg = (D[1] + v0) + v1;
+                    dg8 = (D[3] + v2) + v3;
+                }
+                if (MODE == DFK_MMA_BF16) {
+                    yv0 = yv0 + dg;
+                    yv1 = yv1 + dg8;
+                } else {
+                    const int tok = t;
+                    float xsum = 0.0f;
+                    if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
+                    float s0 = h16_to_f32(sbv[gi][0], sb_bf16), b0 = h16_to_f32(sbv[gi][0] >> 16, sb_bf16);
+                    float s1 = h16_to_f32(sbv[gi][1], sb_bf16), b1 = h16_to_f32(sbv[gi][1] >> 16, sb_bf16);
+                    float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
+                    yv0 = yv0 + (s0 * dg + bb0 * xsum);
+                    yv1 = yv1 + (s1 * dg8 + bb1 * xsum);
+                }
+            }
+        }
+        if (KW > 1) {
+            red[warp][0][lane] = yv0;
+            red[warp][1][lane] = yv1;
+            __syncthreads();
+            if (kw == 0) {
+                float a0 = red[warp][0][lane], a1 = red[warp][1][lane];
+                for (int k = 1; k < KW; k++) {
+                    a0 = a0 + red[warp + k][0][lane];
+                    a1 = a1 + red[warp + k][1][lane];
+                }
+                yv0 = a0;
+                yv1 = a1;
+            }
+            __syncthreads();
+        }
+        if (kw == 0 && t < 2 && tv && t < M) {
+            const int r0 = tile * 16 + g, r1 = r0 + 8;
+            if (r0 < rows) y[(size_t)t * (size_t)rows + (size_t)r0] = yv0;
+            if (r1 < rows) y[(size_t)t * (size_t)rows + (size_t)r1] = yv1;
+        }
+    }
+}
+
+static int g_sms = 132;
+extern "C" void dfk_set_sm_count(int n) { g_sms = n > 0 ? n : 132; }
+
+/* Launches the decode kernel when it applies (NT == 1 and the fragments fit in shared memory);
+ * returns 1 if launched (status in *st). */
+template <int MODE, int GS>
+static int launch_lin_dec(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                          const uint32_t *xb, const float *xs, int M, int KW, float *y, int *st) {
+    const int kbt = cols / 16, tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
+    const size_t smem = (size_t)kbt * 24 * sizeof(uint2);
+    if (M > 2 || smem > 200 * 1024) return 0;
+    static size_t smem_set = 0;
+    if (smem > 48 * 1024 && smem > smem_set) {
+        cudaFuncSetAttribute(k_lin_mma_dec<MODE, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(200 * 1024));
+        smem_set = 200 * 1024;
+    }
+    const int per_sm = smem <= 100 * 1024 ? 2 : 1;
+    int blocks = g_sms * per_sm;
+    const int sets = (tiles + RW - 1) / RW;
+    if (blocks > sets) blocks = sets;
+    k_lin_mma_dec<MODE, GS><<<(unsigned)blocks, 256, smem, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, kbt,
+                                                                       reinterpret_cast<const uint2 *>(xb), xs, M, KW,
+                                                                       y);
+    *st = launch_status();
+    return 1;
+}
+
 template <int MODE, int GS, int NT, int TR>
 static int launch_lin(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols, const uint32_t *xb,
                       const float *xs, int M, int KW, float *y) {
@@ -521,6 +674,8 @@ template <int MODE, int GS>
 static int launch_lin_nt(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
                          const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
     const int pairs = (M + 1) / 2;
+    int st = 0;
+    if (pairs <= 1 && !g_no_dec && launch_lin_dec<MODE, GS>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y, &st)) return st;
     if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
     if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
     if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
@@ -830,7 +985,6 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     const int pos0 = *pos0p;
     __shared__ float sq[4096];
     __shared__ float sc[GM][DFK_ATTN_CHUNK];
-    __shared__ float red[256];
     __shared__ float smx[GM], ssum[GM];
     const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
@@ -879,27 +1033,22 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
         }
     }
     __syncthreads();
-    for (int gi = 0; gi < G; gi++) {
+    /* per head (a warp each): max and exp-sum over the chunk, lanes over positions in order, then
+     * xor trees */
+    for (int gi = warp; gi < G; gi += nw) {
         float mx = -INFINITY;
-        for (int tt = threadIdx.x; tt < n; tt += blockDim.x) mx = fmaxf(mx, sc[gi][tt]);
-        red[threadIdx.x] = mx;
-        __syncthreads();
-        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-            if ((int)threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
-            __syncthreads();
-        }
-        mx = red[0];
-        __syncthreads();
+        for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sc[gi][tt]);
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
         float acc = 0.0f;
-        for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
+        for (int tt = lane; tt < n; tt += 32) {
             float p = expf(sc[gi][tt] - mx);
             sc[gi][tt] = p;
             acc = acc + p;
         }
-        float sum = block_sum(acc, red); /* also orders the sc writes before the reads below */
-        if (threadIdx.x == 0) {
+        acc = warp_sum(acc);
+        if (lane == 0) {
             smx[gi] = mx;
-            ssum[gi] = sum;
+            ssum[gi] = acc;
         }
     }
     __syncthreads();
@@ -908,7 +1057,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
         float o[GM];
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
-#pragma unroll 8
+#pragma unroll 16
         for (int tt = 0; tt < n; tt++) {
             const float vv = vbase[(size_t)tt * kstride + (size_t)d];
 #pragma unroll
