@@ -1159,8 +1159,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 1056; /* about 4 waves of 2 CTAs per SM */
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) dfk_set_sm_count(prop.multiProcessorCount);
-    const char *nodec = getenv("DFLASH_CUDA_NO_DEC");
-    dfk_set_no_dec(nodec && strcmp(nodec, "1") == 0);
+    const char *dec = getenv("DFLASH_CUDA_DEC");
+    dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;

@@ -58,9 +58,10 @@ static int launch_status(void) { return (int)cudaGetLastError(); }
 
 /* The stream every launcher uses (dfk_set_stream; 0 = the legacy default stream). */
 static cudaStream_t g_stream = 0;
-/* 1: never use the decode kernel (k_lin_mma_dec), for cross-checks (DFLASH_CUDA_NO_DEC=1) */
-static int g_no_dec = 0;
-extern "C" void dfk_set_no_dec(int v) { g_no_dec = v; }
+/* 1: use the shared-memory decode kernel k_lin_mma_dec for M <= 2 (DFLASH_CUDA_DEC=1). Off by
+ * default: on the H200 it measured slower than k_lin_mma (docs/PERFORMANCE.md). */
+static int g_use_dec = 0;
+extern "C" void dfk_set_use_dec(int v) { g_use_dec = v; }
 
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
 
@@ -670,15 +671,27 @@ static int launch_lin_tr(const uint32_t *codes, const uint32_t *sb, int sb_bf16,
     return launch_lin<MODE, GS, NT, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
 }
 
+/* NT = ceil(M/2) n-tiles: exact for the heavy formats (2-bit group 128, bf16), else rounded up
+ * to a power of two (fewer instances). Padded n-tiles carry zero columns; a token's result
+ * never depends on NT (columns of an MMA are independent). */
 template <int MODE, int GS>
 static int launch_lin_nt(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
                          const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    constexpr bool heavy = (MODE == DFK_MMA_Q2 && GS == 128) || MODE == DFK_MMA_BF16;
     const int pairs = (M + 1) / 2;
     int st = 0;
-    if (pairs <= 1 && !g_no_dec && launch_lin_dec<MODE, GS>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y, &st)) return st;
+    if (pairs <= 1 && g_use_dec && launch_lin_dec<MODE, GS>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y, &st)) return st;
     if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
     if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if constexpr (heavy) {
+        if (pairs == 3) return launch_lin_tr<MODE, GS, 3>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    }
     if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if constexpr (heavy) {
+        if (pairs == 5) return launch_lin_tr<MODE, GS, 5>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 6) return launch_lin_tr<MODE, GS, 6>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 7) return launch_lin_tr<MODE, GS, 7>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    }
     return launch_lin_tr<MODE, GS, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
 }
 

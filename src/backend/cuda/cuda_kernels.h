@@ -27,8 +27,9 @@ enum { DFK_MMA_Q2 = 2, DFK_MMA_Q4 = 4, DFK_MMA_Q8 = 8, DFK_MMA_BF16 = 16 };
 void dfk_set_stream(void *stream);
 /* Multiprocessor count (sizes the persistent decode grid of dfk_linear_mma). */
 void dfk_set_sm_count(int n);
-/* 1: dfk_linear_mma never uses its decode kernel (cross-checks). */
-void dfk_set_no_dec(int v);
+/* 1: dfk_linear_mma uses its shared-memory decode kernel for M <= 2 (an experiment: slower on
+ * the H200 so far; same bits). */
+void dfk_set_use_dec(int v);
 
 /* ---- weights: device-side repacking (run once at upload) ------------------------------- */
 
@@ -60,9 +61,7 @@ int dfk_repack_bf16(const uint16_t *raw, int rows, int cols, uint32_t *out);
 int dfk_prep(const float *x, int M, int cols, const float *signs, int hb, float hscale, int gs, int seg, float *xf,
              float *xs, uint32_t *xb);
 
-/* y[M, rows] = W x' on the tensor cores (mma.sync m16n8k16 bf16 -> f32). For M <= 2 a
- * persistent kernel with the activation fragments in shared memory runs (same arithmetic, same
- * bits). Per group of gs
+/* y[M, rows] = W x' on the tensor cores (mma.sync m16n8k16 bf16 -> f32). Per group of gs
  * columns D = Σ codes·(hi + mid + lo) exactly represented operands, y += s·D + b·Σx'
  * (groups of a warp in order, then the KW K-slices summed in order 0..KW-1). KW is a
  * function of the weight's shape only, so every row gets the same bits for any M; TR (tiles
