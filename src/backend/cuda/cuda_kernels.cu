@@ -303,9 +303,9 @@ struct lin_cfg {
     static constexpr int WPL = MODE == DFK_MMA_BF16 ? KBG * 4 : MODE * GS / 64;
     static constexpr int VEC = WPL < 4 ? WPL : 4;
     static constexpr int NVEC = WPL / VEC;
-    static constexpr int GP0 = 32 / (TR * WPL * (NT > 2 ? NT / 2 : 1));
+    static constexpr int GP0 = 32 / (TR * WPL * (NT > 4 ? NT : (NT > 2 ? NT / 2 : 1)));
     static constexpr int GP = GP0 < 1 ? 1 : (GP0 > 8 ? 8 : GP0);
-    static constexpr int KC0 = 8 / NT;
+    static constexpr int KC0 = NT >= 4 ? 1 : 8 / NT;
     static constexpr int KC = KC0 < KBG ? (KC0 < 1 ? 1 : KC0) : KBG;
 };
 
