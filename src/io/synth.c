@@ -291,8 +291,9 @@ typedef struct wctx {
     size_t done;
 } wctx;
 
-static void write_task(void *vctx, int task, int n_tasks) {
+static void write_task(void *vctx, int task, int n_tasks, int worker) {
     (void)n_tasks;
+    (void)worker;
     wctx *c = vctx;
     const wtask *w = &c->tasks[task];
     unsigned char *buf = malloc(w->n ? w->n : 1);

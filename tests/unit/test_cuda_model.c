@@ -207,11 +207,52 @@ static void test_speculative_equals_plain(void **state) {
     df_drafter_free(d);
 }
 
+/* The DFlash2 drafter (grouped dynamic convolutions, candidate selector) on the GPU:
+ * speculative == plain. */
+static void test_speculative_dflash2(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_error err = {0};
+    df_drafter *d = NULL;
+    df_session *s = NULL;
+    df_draft_state *ds = NULL;
+    if (df_drafter_load(&d, tu_fixture("tiny-dflash2"), g_eng, &err) != DF_OK) fail_msg("drafter: %s", err.msg);
+    assert_int_equal(df_session_init(&s, g_eng, 512, &err), DF_OK);
+    assert_int_equal(df_draft_state_init(&ds, d, 48, &err), DF_OK);
+    long accepted = 0;
+    for (int i = 0; i < 6; i++) {
+        int32_t prompt[64];
+        int n = 5 + i * 9;
+        for (int k = 0; k < n; k++) prompt[k] = (int32_t)((k * 131 + i * 17 + 3) % 1984);
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = 32;
+        df_gen_result want, got;
+        if (df_generate(s, prompt, n, &gp, NULL, NULL, &want, &err) != DF_OK) fail_msg("plain: %s", err.msg);
+        const int blocks[] = {4, 8};
+        for (int b = 0; b < 2; b++) {
+            df_spec_params sp = df_spec_params_default();
+            sp.block = blocks[b];
+            if (df_generate_speculative(s, ds, prompt, n, &gp, &sp, NULL, NULL, &got, &err) != DF_OK)
+                fail_msg("speculative: %s", err.msg);
+            if (got.n_ids != want.n_ids || memcmp(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t)) != 0)
+                fail_msg("GPU DFlash2: speculative (block %d, prompt %d) differs from plain", blocks[b], i);
+            accepted += got.draft_n_accepted;
+            df_gen_result_free(&got);
+        }
+        df_gen_result_free(&want);
+    }
+    printf("GPU DFlash2 speculative == plain (%ld drafts accepted)\n", accepted);
+    df_draft_state_free(ds);
+    df_session_free(s);
+    df_drafter_free(d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_oracle_logits),
         cmocka_unit_test(test_rows_bitwise),
         cmocka_unit_test(test_speculative_equals_plain),
+        cmocka_unit_test(test_speculative_dflash2),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

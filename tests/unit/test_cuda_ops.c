@@ -610,10 +610,48 @@ static void test_gdn(void **state) {
     gdn_case(16, 48, 128, 128); /* 27B */
 }
 
+/* DFlash2 grouped dynamic convolution: equals the CPU backend; rows are causal (a prefix of
+ * the block gives the same rows). */
+static void test_dyn_conv(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int H = 256, gs = 64, G = H / gs, K = 3, R = DF_MAX_ROWS, stride = 2 * K * G;
+    float *x = malloc((size_t)R * H * 4), *dyn = malloc((size_t)R * stride * 4), *base = malloc((size_t)K * H * 4);
+    float *yc = malloc((size_t)R * H * 4), *yg = malloc((size_t)R * H * 4), *yp = malloc((size_t)R * H * 4);
+    for (int i = 0; i < R * H; i++) x[i] = frand();
+    for (int i = 0; i < R * stride; i++) dyn[i] = 0.3f * frand();
+    for (int i = 0; i < K * H; i++) base[i] = 0.5f * frand();
+    float *dx = dput(be, x, (size_t)R * H * 4), *dd = dput(be, dyn, (size_t)R * stride * 4);
+    float *dy = be->ops->alloc(be, (size_t)R * H * 4);
+    g_cpu->ops->dyn_conv(g_cpu, x, dyn + K * G, stride, base, K, gs, R, H, yc);
+    be->ops->dyn_conv(be, dx, dd + K * G, stride, base, K, gs, R, H, dy);
+    dget(be, yg, dy, (size_t)R * H * 4);
+    double e = rel_err(yg, yc, (size_t)R * H, 1e-3);
+    printf("dyn_conv: rel err vs CPU %.2e\n", e);
+    assert_true(e <= 1e-6);
+    for (int M = 1; M < R; M += 5) {
+        be->ops->dyn_conv(be, dx, dd + K * G, stride, base, K, gs, M, H, dy);
+        dget(be, yp, dy, (size_t)M * H * 4);
+        assert_memory_equal(yp, yg, (size_t)M * H * 4);
+    }
+    gpu_ok(be, "dyn_conv");
+    dfree_(be, dx);
+    dfree_(be, dd);
+    dfree_(be, dy);
+    free(x);
+    free(dyn);
+    free(base);
+    free(yc);
+    free(yg);
+    free(yp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
+        cmocka_unit_test(test_dyn_conv),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1046,6 +1046,39 @@ static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, con
     record(cb, run_gdn, "gdn", &g, sizeof g);
 }
 
+typedef struct a_dyn {
+    const float *x, *dyn, *base;
+    float *out;
+    int dyn_stride, K, gs, M, H;
+} a_dyn;
+
+static int run_dyn(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_dyn *a = args;
+    return dfk_dyn_conv(a->x, a->dyn, a->dyn_stride, a->base, a->K, a->gs, a->M, a->H, a->out);
+}
+
+static void cu_dyn_conv(df_backend *be, const float *x, const float *dyn, int dyn_stride, const float *base, int K,
+                        int gs, int M, int H, float *out) {
+    cuda_backend *cb = cub(be);
+    a_dyn a;
+    memset(&a, 0, sizeof a);
+    if (gs <= 0 || H % gs != 0) {
+        fail(cb, "dyn_conv: group size %d does not divide %d", gs, H);
+        return;
+    }
+    if (!(a.base = dvec(cb, base, (size_t)K * (size_t)H))) return;
+    a.x = x;
+    a.dyn = dyn;
+    a.out = out;
+    a.dyn_stride = dyn_stride;
+    a.K = K;
+    a.gs = gs;
+    a.M = M;
+    a.H = H;
+    record(cb, run_dyn, "dyn_conv", &a, sizeof a);
+}
+
 typedef struct a_argmax {
     const float *x;
     int32_t *out;
@@ -1122,6 +1155,7 @@ static const df_backend_ops cuda_ops = {
     .swiglu = cu_swiglu,
     .attention = cu_attention,
     .kv_append = cu_kv_append,
+    .dyn_conv = cu_dyn_conv,
     .gdn = cu_gdn,
     .argmax = cu_argmax,
 };

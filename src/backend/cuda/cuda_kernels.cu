@@ -1148,6 +1148,31 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
     return launch_status();
 }
 
+/* ---- DFlash2 grouped dynamic convolution ---------------------------------------------------- */
+
+/* One thread per (row t, channel): the CPU's order (per tap o: base term, then dynamic term). */
+__global__ void k_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M,
+                           int H, float *out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)M * (size_t)H) return;
+    const int t = (int)(i / (size_t)H), ch = (int)(i % (size_t)H), G = H / gs;
+    const float *d = dyn + (size_t)t * (size_t)dyn_stride;
+    float o = 0.0f;
+    for (int k = 0; k < K && k <= t; k++) {
+        const float xv = x[(size_t)(t - k) * (size_t)H + (size_t)ch];
+        o = o + base[(size_t)k * (size_t)H + (size_t)ch] * xv;
+        o = o + d[k * G + ch / gs] * xv;
+    }
+    out[i] = o;
+}
+
+extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M,
+                            int H, float *out) {
+    const size_t n = (size_t)M * (size_t)H;
+    k_dyn_conv<<<(unsigned)((n + 255) / 256), 256, 0, g_stream>>>(x, dyn, dyn_stride, base, K, gs, M, H, out);
+    return launch_status();
+}
+
 /* ---- Gated DeltaNet ------------------------------------------------------------------------------ */
 
 #define GDN_MAX_K 16

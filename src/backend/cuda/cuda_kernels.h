@@ -115,6 +115,13 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                   const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
 
+/* ---- DFlash2 ---------------------------------------------------------------------------------- */
+
+/* Grouped dynamic causal convolution of backend.h `dyn_conv` (base: device [K, H]); the CPU
+ * backend's arithmetic and order, one thread per output element. */
+int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M, int H,
+                 float *out);
+
 /* ---- Gated DeltaNet ----------------------------------------------------------------------- */
 
 /* Causal depthwise conv + SiLU over M rows in order (MODEL.md §1): conv_out [M, C]. */
