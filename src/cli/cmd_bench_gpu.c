@@ -196,6 +196,43 @@ static void reset_peak(df_engine *e) {
 #endif
 }
 
+/* Peak device memory (bytes held by the backend: weights, buffers, scratch) of a plain session
+ * at context C: up to 4096 positions a real prefill + 8 decode steps; beyond, a 16-row-tile
+ * prefill of C positions reads the cache O(C^2/16) times (hours at 32k), so the positions are
+ * advanced without a prefill (the KV cache for C positions is allocated all the same) before
+ * the decode steps. Then a 16-row verify-shaped pass at C: *verify_peak. */
+static int mem_plain(df_engine *e, const int32_t *prompt, int C, size_t *plain_peak, size_t *verify_peak,
+                     df_error *err) {
+    df_session *ms = NULL;
+    reset_peak(e);
+    if (df_session_init(&ms, e, C + 80, err) != DF_OK) return 0;
+    int ok = 1;
+    if (C <= 4096) ok = df_session_prefill(ms, prompt, C, NULL, err) == DF_OK;
+    else ms->pos = C - 16;
+    int32_t id = prompt[1], am[16];
+    for (int i = 0; ok && i < 8; i++) ok = df_target_forward_argmax(ms, &id, 1, am, err) == DF_OK;
+    sync_dev(e);
+    *plain_peak = peak_bytes(e);
+    ms->pos -= 8;
+    if (ok) ok = df_target_forward_argmax(ms, prompt, 16, am, err) == DF_OK;
+    sync_dev(e);
+    *verify_peak = peak_bytes(e);
+    df_session_free(ms);
+    return ok;
+}
+
+static size_t weight_bytes(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats st;
+        df_backend_cuda_stats(e->be, &st);
+        return st.weight_bytes;
+    }
+#endif
+    (void)e;
+    return 0;
+}
+
 static int usage(void) {
     fprintf(stderr,
             "usage: dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]\n"
@@ -335,6 +372,22 @@ int df_cmd_bench(int argc, char **argv) {
         free(smp);
     }
 
+    /* peak device memory of plain decoding, before the drafter's weights are on the device */
+    size_t pplain[MAX_LIST] = {0}, pverify[MAX_LIST] = {0};
+    const size_t wtarget = weight_bytes(e); /* every target weight is on the device after a decode step */
+    if (o.n_mem && !is_cuda(e)) printf("peak device memory: CUDA only\n");
+    if (o.n_mem && is_cuda(e)) {
+        df_session_free(s); /* measured alone */
+        s = NULL;
+        for (int mi = 0; mi < o.n_mem; mi++) {
+            if (!mem_plain(e, prompt, o.mem_ctx[mi], &pplain[mi], &pverify[mi], &err)) goto out;
+            printf("peak device memory at context %d: plain %.2f GiB (target weights %.2f GiB; %s)\n", o.mem_ctx[mi],
+                   (double)pplain[mi] / (1 << 30), (double)weight_bytes(e) / (1 << 30),
+                   o.mem_ctx[mi] <= 4096 ? "prefill + decode" : "KV cache allocated by advancing positions, then decode");
+        }
+        if (df_session_init(&s, e, o.ctx + o.gen + 64, &err) != DF_OK) goto out;
+    }
+
     if (o.drafter) {
         t0 = df_now_ms();
         if (df_drafter_load(&d, o.drafter, e, &err) != DF_OK) goto out;
@@ -402,72 +455,40 @@ int df_cmd_bench(int argc, char **argv) {
                 if (!same) goto out;
             }
         }
+        /* peak device memory of speculative decoding (drafter weights now on the device) */
+        double overhead = -1;
+        for (int mi = 0; mi < o.n_mem && is_cuda(e); mi++) {
+            const int C = o.mem_ctx[mi];
+            if (C <= 4096) {
+                df_session *ms = NULL;
+                df_session_free(s);
+                s = NULL;
+                reset_peak(e);
+                if (df_session_init(&ms, e, C + 80, &err) != DF_OK) goto out;
+                df_spec_params sp = df_spec_params_default();
+                df_gen_params gp = df_gen_params_default();
+                gp.max_tokens = 32;
+                df_gen_result res;
+                df_status gs = df_generate_speculative(ms, ds, prompt, C, &gp, &sp, NULL, NULL, &res, &err);
+                df_session_free(ms);
+                if (gs != DF_OK) goto out;
+                df_gen_result_free(&res);
+                size_t pspec = peak_bytes(e);
+                overhead = (double)pspec - (double)pverify[mi];
+                printf("peak device memory at context %d: speculative %.2f GiB (measured: block %d, drafter window %d; "
+                       "drafter weights %.2f GiB; +%.2f GiB over plain)\n", C, (double)pspec / (1 << 30),
+                       sp.block ? sp.block : dc->block_size, o.window,
+                       ((double)weight_bytes(e) - (double)wtarget) / (1 << 30),
+                       ((double)pspec - (double)pplain[mi]) / (1 << 30));
+            } else if (overhead >= 0) {
+                printf("peak device memory at context %d: speculative %.2f GiB (plain + 16-row verify pass measured at %d "
+                       "= %.2f GiB, + drafter weights/draft state/rollback buffers %.2f GiB measured at a smaller "
+                       "context)\n", C, ((double)pverify[mi] + overhead) / (1 << 30), C,
+                       (double)pverify[mi] / (1 << 30), overhead / (1 << 30));
+            }
+        }
     }
 
-    /* peak device memory, plain vs speculative. Up to 4096 positions: real prefill, decode, and
-     * a real speculative run (its overhead over the plain peak: drafter weights, draft state,
-     * rollback buffers, 16-row verify scratch). Beyond: a 16-row prefill of N positions costs
-     * O(N^2/16) cache reads, so the positions are advanced without a prefill (the KV cache for
-     * N positions is allocated all the same), then decode steps and a 16-row verify-shaped pass
-     * run at N; speculative = that + the overhead measured at the smaller context. */
-    if (o.n_mem && !is_cuda(e)) printf("peak device memory: CUDA only\n");
-    double overhead = -1;
-    for (int mi = 0; mi < o.n_mem && is_cuda(e); mi++) {
-        const int C = o.mem_ctx[mi], real = C <= 4096;
-        df_session *ms = NULL;
-        df_session_free(s);
-        s = NULL;
-        reset_peak(e);
-        if (df_session_init(&ms, e, C + 80, &err) != DF_OK) goto out;
-        t0 = df_now_ms();
-        if (real) {
-            if (df_session_prefill(ms, prompt, C, NULL, &err) != DF_OK) {
-                df_session_free(ms);
-                goto out;
-            }
-        } else {
-            ms->pos = C - 16;
-        }
-        int32_t id = prompt[1], am[16];
-        for (int i = 0; i < 8; i++)
-            if (df_target_forward_argmax(ms, &id, 1, am, &err) != DF_OK) {
-                df_session_free(ms);
-                goto out;
-            }
-        sync_dev(e);
-        size_t pplain = peak_bytes(e);
-        ms->pos -= 8;
-        if (df_target_forward_argmax(ms, prompt, 16, am, &err) != DF_OK) {
-            df_session_free(ms);
-            goto out;
-        }
-        sync_dev(e);
-        size_t pverify = peak_bytes(e);
-        printf("peak device memory at context %d: plain %.2f GiB (%s; %.1f s)\n", C, (double)pplain / (1 << 30),
-               real ? "prefill + decode" : "KV cache allocated by advancing positions, then decode", (df_now_ms() - t0) / 1000.0);
-        if (ds && real) {
-            reset_peak(e);
-            df_spec_params sp = df_spec_params_default();
-            df_gen_params gp = df_gen_params_default();
-            gp.max_tokens = 32;
-            df_gen_result res;
-            df_session_reset(ms);
-            if (df_generate_speculative(ms, ds, prompt, C, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) {
-                df_session_free(ms);
-                goto out;
-            }
-            df_gen_result_free(&res);
-            size_t pspec = peak_bytes(e);
-            overhead = (double)pspec - (double)pverify;
-            printf("peak device memory at context %d: speculative %.2f GiB (measured; drafter window %d; over plain "
-                   "+%.2f GiB)\n", C, (double)pspec / (1 << 30), o.window, ((double)pspec - (double)pplain) / (1 << 30));
-        } else if (ds && overhead >= 0) {
-            printf("peak device memory at context %d: speculative %.2f GiB (plain + 16-row verify pass measured at %d = "
-                   "%.2f GiB, + drafter/draft state/rollback overhead %.2f GiB measured at the smaller context)\n", C,
-                   ((double)pverify + overhead) / (1 << 30), C, (double)pverify / (1 << 30), overhead / (1 << 30));
-        }
-        df_session_free(ms);
-    }
     rc = 0;
 out:
     if (rc) fprintf(stderr, "dflash bench: %s\n", err.msg[0] ? err.msg : "failed");
