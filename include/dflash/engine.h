@@ -25,10 +25,15 @@ typedef struct df_session df_session;
 
 typedef struct df_engine_options {
     int n_threads;      /* 0 = number of online CPUs */
+    const char *device; /* compute backend: NULL or "cpu" (default), "cuda" (the first GPU; needs a
+                           build with the CUDA backend, else df_engine_load fails with
+                           DF_ERR_UNSUPPORTED) */
 } df_engine_options;
 
-/* Loads the pack in dir (df_pack_load) and its tokenizer.json. Errors as df_pack_load and
- * df_tokenizer_load, prefixed with the file. */
+/* Loads the pack in dir (df_pack_load) and its tokenizer.json, and starts the backend named
+ * by opt->device. Errors as df_pack_load and df_tokenizer_load, prefixed with the file;
+ * DF_ERR_INVALID_ARG for an unknown device name; DF_ERR_UNSUPPORTED for "cuda" in a build
+ * without the CUDA backend or on a machine without a GPU. */
 df_status df_engine_load(df_engine **out, const char *dir, const df_engine_options *opt, df_error *err);
 void df_engine_free(df_engine *eng);
 

@@ -99,6 +99,11 @@ typedef struct df_backend_ops {
     void (*gdn)(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
                 const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
                 const float *norm_w, int M, float *conv_state, float *S, float *out);
+
+    /* out[r] = argmax over x[r, 0..width) for r < rows (x: backend memory; out: host array);
+     * the lowest index wins ties, as df_argmax. Lets greedy decoding read rows ids instead of
+     * rows x width logits from a device. */
+    void (*argmax)(df_backend *be, const float *x, int rows, int width, int32_t *out);
 } df_backend_ops;
 
 struct df_backend {
@@ -110,6 +115,12 @@ struct df_backend {
 /* The CPU backend with n_threads threads (0 = all online CPUs).
  * Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */
 df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err);
+
+/* The CUDA backend on device `device` (0 = the first GPU); see src/backend/cuda/cuda_backend.h.
+ * Defined only in builds with the CUDA backend (DFLASH_WITH_CUDA). Weights stay host
+ * pointers in the interface: the backend uploads each on first use. Errors: DF_ERR_UNSUPPORTED
+ * (no usable device), DF_ERR_NOMEM. */
+df_status df_backend_cuda_create(df_backend **out, int device, df_error *err);
 
 /* Hadamard helpers shared by backends and tests: in-place Sylvester Walsh–Hadamard transform
  * of each `block`-wide chunk of x[n] scaled by 1/sqrt(block) (float32 butterflies, fixed order). */

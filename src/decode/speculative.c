@@ -21,6 +21,7 @@ typedef struct spec_ctx {
     const df_drafter_config *dc;
     int H, F;               /* hidden, n_taps*hidden */
     float *feats;           /* [DF_MAX_ROWS, F] host: tap outputs of the current tile */
+    float *tapbuf;          /* [DF_MAX_ROWS, H] host: one tap layer's rows (one transfer per layer) */
     int tap_index[256];     /* target layer -> tap slot (or -1); layers beyond 256 never tap */
     /* GDN rollback, per layer (NULL for attention layers); backend memory */
     float **snap_conv, **snap_ssm;
@@ -33,9 +34,10 @@ static void on_tap(void *user, int layer, const float *x, int M) {
     if (layer >= 256 || c->tap_index[layer] < 0) return;
     df_backend *be = c->s->be;
     int slot = c->tap_index[layer];
+    be->ops->to_host(be, c->tapbuf, x, (size_t)M * (size_t)c->H * sizeof(float));
     for (int m = 0; m < M; m++)
-        be->ops->to_host(be, c->feats + (size_t)m * (size_t)c->F + (size_t)slot * (size_t)c->H,
-                         x + (size_t)m * (size_t)c->H, (size_t)c->H * sizeof(float));
+        memcpy(c->feats + (size_t)m * (size_t)c->F + (size_t)slot * (size_t)c->H, c->tapbuf + (size_t)m * (size_t)c->H,
+               (size_t)c->H * sizeof(float));
 }
 
 static void on_gdn(void *user, int layer, const float *qkv, const float *z, const float *a, const float *b, int M) {
@@ -68,6 +70,7 @@ static void ctx_free(spec_ctx *c) {
         free(arrs[i]);
     }
     free(c->feats);
+    free(c->tapbuf);
 }
 
 static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *dc, df_error *err) {
@@ -82,10 +85,11 @@ static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *d
     for (int i = 0; i < dc->n_taps; i++)
         if (dc->taps[i] < 256) c->tap_index[dc->taps[i]] = i;
     c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
+    c->tapbuf = malloc((size_t)DF_MAX_ROWS * (size_t)c->H * sizeof(float));
     const int L = tc->n_layers;
     float ***arrs[] = {&c->snap_conv, &c->snap_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
-    if (!c->feats || !c->snap_conv || !c->snap_ssm || !c->rec_qkv || !c->rec_z || !c->rec_a || !c->rec_b) goto oom;
+    if (!c->feats || !c->tapbuf || !c->snap_conv || !c->snap_ssm || !c->rec_qkv || !c->rec_z || !c->rec_a || !c->rec_b) goto oom;
     const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim, R = DF_MAX_ROWS;
     for (int l = 0; l < L; l++) {
         if (tc->layer_kinds[l] != DF_LAYER_LINEAR_ATTENTION) continue;
@@ -216,11 +220,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             Bv = 1; /* one token left: a plain decode step */
         }
         c.recording = Bv >= 2;
-        st = df_target_forward_rows(s, rows, Bv, logits, 0, err);
+        int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
+        st = df_target_forward_argmax(s, rows, Bv, t, err);
         c.recording = 0;
         if (st != DF_OK) break;
-        int32_t t[DF_MAX_ROWS];
-        for (int m = 0; m < Bv; m++) t[m] = df_argmax(logits + (size_t)m * (size_t)V, V);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
         if (Bv >= 2) {

@@ -590,6 +590,15 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
     op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
     if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));
     op->linear(be, &pk->lm_head, s->h + H, B - 1, s->logits);
+    if (!logits && !d->sel_pred && c->output_multiplier == 1.0f && !(c->final_logit_softcapping > 0.0f)) {
+        /* plain argmax drafts: taken where the logits are (no vocab-wide copy from a device) */
+        op->argmax(be, s->logits, B - 1, V, drafts);
+        if (be->failed) {
+            be->failed = 0;
+            return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
+        }
+        return DF_OK;
+    }
     float *lg = logits;
     float *tmp = NULL;
     if (!lg) {

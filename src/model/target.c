@@ -16,6 +16,22 @@
 
 /* ---- engine -------------------------------------------------------------------------------- */
 
+/* The backend named by opt->device: "cpu" (default) or "cuda". */
+static df_status backend_create(df_backend **out, const df_engine_options *opt, df_error *err) {
+    const char *dev = opt && opt->device ? opt->device : "cpu";
+    if (strcmp(dev, "cpu") == 0) return df_backend_cpu_create(out, opt ? opt->n_threads : 0, err);
+    if (strcmp(dev, "cuda") == 0) {
+#ifdef DFLASH_WITH_CUDA
+        return df_backend_cuda_create(out, 0, err);
+#else
+        return df_error_set(err, DF_ERR_UNSUPPORTED,
+                            "device \"cuda\": this build has no CUDA backend (configure with nvcc available and "
+                            "-DDFLASH_CUDA=ON)");
+#endif
+    }
+    return df_error_set(err, DF_ERR_INVALID_ARG, "unknown device \"%s\" (expected \"cpu\" or \"cuda\")", dev);
+}
+
 df_status df_engine_load(df_engine **out, const char *dir, const df_engine_options *opt, df_error *err) {
     *out = NULL;
     df_engine *e = calloc(1, sizeof *e);
@@ -37,7 +53,7 @@ df_status df_engine_load(df_engine **out, const char *dir, const df_engine_optio
         df_error_prefix(err, "tokenizer.json");
         goto fail;
     }
-    st = df_backend_cpu_create(&e->be, opt ? opt->n_threads : 0, err);
+    st = backend_create(&e->be, opt, err);
     if (st != DF_OK) goto fail;
     *out = e;
     return DF_OK;
@@ -199,8 +215,20 @@ static void capture_plane(df_session *s, int plane, const float *src, int M) {
 
 /* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. . Writes logits [M, vocab] (host)
  * for rows >= logits_from when logits != NULL. */
+static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int32_t *argmax,
+                              int logits_from, df_error *err);
+
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err) {
+    return forward_rows(s, ids, M, logits, NULL, logits_from, err);
+}
+
+df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
+    return forward_rows(s, ids, M, NULL, argmax, 0, err);
+}
+
+static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int32_t *argmax,
+                              int logits_from, df_error *err) {
     const df_pack *pk = s->eng->pack;
     const df_text_config *c = &pk->cfg;
     df_backend *be = s->be;
@@ -264,7 +292,7 @@ df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float
         if (s->tap) s->tap(s->tap_user, l, s->x, M);
     }
     s->pos += M;
-    if (s->capture || logits) {
+    if (s->capture || logits || argmax) {
         op->rmsnorm(be, s->x, pk->final_norm.data, M, H, c->rms_norm_eps, s->h);
         if (s->capture) {
             capture_plane(s, c->n_layers + 1, s->h, M);
@@ -275,6 +303,10 @@ df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float
         int n = M - logits_from;
         op->linear(be, &pk->lm_head, s->h + (size_t)logits_from * (size_t)H, n, s->logits);
         op->to_host(be, logits, s->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
+    }
+    if (argmax) {
+        op->linear(be, &pk->lm_head, s->h, M, s->logits);
+        op->argmax(be, s->logits, M, c->vocab_size, argmax);
     }
     if (be->failed) {
         be->failed = 0;

@@ -48,4 +48,9 @@ struct df_session {
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err);
 
+/* As df_target_forward_rows, but instead of logits returns argmax[M] (host): the greedy token
+ * after each row, computed where the logits are (backend argmax op), so a device backend
+ * copies M ids instead of M x vocab floats. Same errors. */
+df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
+
 #endif

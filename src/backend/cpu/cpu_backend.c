@@ -585,6 +585,19 @@ static void cpu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, co
     free(conv_out);
 }
 
+/* ---- argmax ------------------------------------------------------------------------------- */
+
+static void cpu_argmax(df_backend *be, const float *x, int rows, int width, int32_t *out) {
+    (void)be;
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (size_t)r * (size_t)width;
+        int32_t best = 0;
+        for (int i = 1; i < width; i++)
+            if (row[i] > row[best]) best = i;
+        out[r] = best;
+    }
+}
+
 /* ---- construction --------------------------------------------------------------------------- */
 
 static void cpu_destroy(df_backend *be) {
@@ -615,6 +628,7 @@ static const df_backend_ops cpu_ops = {
     .kv_append = cpu_kv_append,
     .dyn_conv = cpu_dyn_conv,
     .gdn = cpu_gdn,
+    .argmax = cpu_argmax,
 };
 
 df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err) {

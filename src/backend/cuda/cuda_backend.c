@@ -1,0 +1,1251 @@
+/* The CUDA backend: bookkeeping (device memory, the weight table, scratch buffers) and the
+ * ops of backend.h, each a few launches of the kernels in cuda_kernels.cu
+ * (see cuda_backend.h for the contract). Library code: never prints, never exits; a failing
+ * op sets be->failed and keeps the first message for df_backend_cuda_last_error.
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_kernels.h"
+
+/* ---- tables ----------------------------------------------------------------------------------- */
+
+enum { W_VEC = 1, W_LIN = 2, W_EMB = 3 };
+enum { LIN_SIMPLE = 0 }; /* otherwise a DFK_MMA_* mode */
+
+#define FP_BYTES 32
+
+/* An uploaded weight. Fingerprint: the shape fields and bytes at the start, middle and end
+ * of the host data. */
+typedef struct wentry {
+    const void *key;
+    int kind;
+    /* fingerprint */
+    size_t host_bytes;
+    int rows, cols, bits, gs, wdtype, sdtype, hb;
+    const void *h_scales, *h_biases;
+    const float *h_signs;
+    unsigned char fp[3][FP_BYTES];
+    /* device copies */
+    void *d_w, *d_s, *d_b;
+    float *d_signs;
+    int mode;   /* W_LIN: LIN_SIMPLE or DFK_MMA_* */
+    int lgs;    /* group size of the MMA layout */
+    int KW;     /* K-slices of the MMA linear (from the shape only) */
+} wentry;
+
+typedef struct aentry {
+    void *p;
+    size_t bytes;
+} aentry;
+
+typedef struct cuda_backend {
+    df_backend base;
+    char err[256];
+    /* weights: open addressing on (key, kind) */
+    wentry **w;
+    size_t w_cap, w_n;
+    /* allocations: open addressing on the device pointer (tombstones = (void*)1) */
+    aentry *a;
+    size_t a_cap, a_n, a_used;
+    size_t cur, peak, weight_bytes;
+    /* scratch */
+    float *xf;
+    size_t xf_cap;
+    float *xs;
+    size_t xs_cap;
+    uint32_t *xb;
+    size_t xb_cap;
+    float *part;
+    size_t part_cap;
+    float *conv_out;
+    size_t conv_cap;
+    int32_t *ids;
+    int force_simple;
+    int target_ctas;
+    /* step recording (see "steps and graphs" below) */
+    cudaStream_t stream;
+    struct cmd *cmds;
+    size_t n_cmds, cap_cmds;
+    uint64_t sig_hash;
+    int32_t *hparams, *dparams; /* pinned host / device, DF_CUDA_MAX_PARAMS ints */
+    size_t n_params;
+    unsigned char *hstage;      /* pinned staging of host-to-device copies */
+    size_t n_stage;
+    void **dfree_later;         /* buffers to free after the step runs */
+    size_t n_dfree, cap_dfree;
+    struct gentry *graphs;      /* [DF_CUDA_MAX_GRAPHS] */
+    uint64_t clock;
+    int use_graphs;
+    long n_steps, n_replays, n_captures;
+} cuda_backend;
+
+static cuda_backend *cub(df_backend *be) { return (cuda_backend *)be; }
+
+static void fail(cuda_backend *cb, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void fail(cuda_backend *cb, const char *fmt, ...) {
+    if (!cb->base.failed) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(cb->err, sizeof cb->err, fmt, ap);
+        va_end(ap);
+    }
+    cb->base.failed = 1;
+}
+
+static int check(cuda_backend *cb, int st, const char *what) {
+    if (st == 0) return 1;
+    if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", what);
+    else fail(cb, "%s: CUDA error: %s", what, cudaGetErrorString((cudaError_t)st));
+    return 0;
+}
+
+static size_t hash_ptr(const void *p) {
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)x;
+}
+
+/* ---- device memory with accounting --------------------------------------------------------- */
+
+static int a_grow(cuda_backend *cb) {
+    size_t cap = cb->a_cap ? cb->a_cap * 2 : 1024;
+    aentry *n = calloc(cap, sizeof *n);
+    if (!n) return 0;
+    for (size_t i = 0; i < cb->a_cap; i++) {
+        void *p = cb->a[i].p;
+        if (!p || p == (void *)1) continue;
+        size_t h = hash_ptr(p) & (cap - 1);
+        while (n[h].p) h = (h + 1) & (cap - 1);
+        n[h] = cb->a[i];
+    }
+    free(cb->a);
+    cb->a = n;
+    cb->a_cap = cap;
+    cb->a_used = cb->a_n;
+    return 1;
+}
+
+static void *dmalloc(cuda_backend *cb, size_t bytes) {
+    if ((cb->a_used + 1) * 2 > cb->a_cap && !a_grow(cb)) return NULL;
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    size_t h = hash_ptr(p) & (cb->a_cap - 1);
+    while (cb->a[h].p && cb->a[h].p != (void *)1) h = (h + 1) & (cb->a_cap - 1);
+    if (!cb->a[h].p) cb->a_used++;
+    cb->a[h].p = p;
+    cb->a[h].bytes = bytes;
+    cb->a_n++;
+    cb->cur += bytes;
+    if (cb->cur > cb->peak) cb->peak = cb->cur;
+    return p;
+}
+
+static size_t dfree(cuda_backend *cb, void *p) {
+    if (!p) return 0;
+    size_t bytes = 0;
+    if (cb->a_cap) {
+        size_t h = hash_ptr(p) & (cb->a_cap - 1);
+        while (cb->a[h].p) {
+            if (cb->a[h].p == p) {
+                bytes = cb->a[h].bytes;
+                cb->a[h].p = (void *)1;
+                cb->a_n--;
+                cb->cur -= bytes;
+                break;
+            }
+            h = (h + 1) & (cb->a_cap - 1);
+        }
+    }
+    cudaFree(p);
+    return bytes;
+}
+
+/* Grows a scratch buffer to n elements of size esz (contents not kept). */
+static void free_later(cuda_backend *cb, void *p);
+
+static int scratch(cuda_backend *cb, void **buf, size_t *cap, size_t n, size_t esz) {
+    if (*cap >= n && *buf) return 1;
+    size_t want = n + n / 4 + 64;
+    free_later(cb, *buf); /* recorded commands of this step may still use it */
+    *buf = dmalloc(cb, want * esz);
+    *cap = *buf ? want : 0;
+    if (!*buf) fail(cb, "CUDA backend: out of device memory for %zu bytes of scratch", want * esz);
+    return *buf != NULL;
+}
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+static size_t dtype_size(df_dtype t) { return t == DF_DTYPE_F32 || t == DF_DTYPE_U32 ? 4 : 2; }
+
+static void fingerprint(const void *host, size_t n, unsigned char fp[3][FP_BYTES]) {
+    memset(fp, 0, 3 * FP_BYTES);
+    if (!host || !n) return;
+    const unsigned char *p = host;
+    size_t k = n < FP_BYTES ? n : FP_BYTES;
+    memcpy(fp[0], p, k);
+    memcpy(fp[1], p + (n - k) / 2, k);
+    memcpy(fp[2], p + n - k, k);
+}
+
+static void wentry_release(cuda_backend *cb, wentry *e) {
+    size_t b = dfree(cb, e->d_w) + dfree(cb, e->d_s) + dfree(cb, e->d_b) + dfree(cb, e->d_signs);
+    cb->weight_bytes -= b;
+    e->d_w = e->d_s = e->d_b = NULL;
+    e->d_signs = NULL;
+}
+
+static int w_grow(cuda_backend *cb) {
+    size_t cap = cb->w_cap ? cb->w_cap * 2 : 1024;
+    wentry **n = calloc(cap, sizeof *n);
+    if (!n) return 0;
+    for (size_t i = 0; i < cb->w_cap; i++) {
+        wentry *e = cb->w[i];
+        if (!e) continue;
+        size_t h = (hash_ptr(e->key) + (size_t)e->kind) & (cap - 1);
+        while (n[h]) h = (h + 1) & (cap - 1);
+        n[h] = e;
+    }
+    free(cb->w);
+    cb->w = n;
+    cb->w_cap = cap;
+    return 1;
+}
+
+/* The entry for (key, kind), created empty if absent (NULL on out of host memory). */
+static wentry *w_slot(cuda_backend *cb, const void *key, int kind, int *fresh) {
+    *fresh = 0;
+    if ((cb->w_n + 1) * 2 > cb->w_cap && !w_grow(cb)) return NULL;
+    size_t h = (hash_ptr(key) + (size_t)kind) & (cb->w_cap - 1);
+    while (cb->w[h]) {
+        if (cb->w[h]->key == key && cb->w[h]->kind == kind) return cb->w[h];
+        h = (h + 1) & (cb->w_cap - 1);
+    }
+    wentry *e = calloc(1, sizeof *e);
+    if (!e) return NULL;
+    e->key = key;
+    e->kind = kind;
+    cb->w[h] = e;
+    cb->w_n++;
+    *fresh = 1;
+    return e;
+}
+
+static void *upload(cuda_backend *cb, const void *host, size_t bytes) {
+    void *d = dmalloc(cb, bytes);
+    if (!d) return NULL;
+    if (cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        cudaGetLastError();
+        dfree(cb, d);
+        return NULL;
+    }
+    cb->weight_bytes += bytes;
+    return d;
+}
+
+static void *walloc(cuda_backend *cb, size_t bytes) {
+    void *d = dmalloc(cb, bytes);
+    if (d) cb->weight_bytes += bytes;
+    return d;
+}
+
+/* Device copy of a float vector of n elements (norm weights, conv weights, A_log, ...). */
+static const float *dvec(cuda_backend *cb, const float *host, size_t n) {
+    if (!host) return NULL;
+    int fresh;
+    wentry *e = w_slot(cb, host, W_VEC, &fresh);
+    if (!e) {
+        fail(cb, "CUDA backend: out of host memory");
+        return NULL;
+    }
+    unsigned char fp[3][FP_BYTES];
+    fingerprint(host, n * sizeof(float), fp);
+    if (!fresh && e->host_bytes == n * sizeof(float) && memcmp(fp, e->fp, sizeof fp) == 0) return e->d_w;
+    wentry_release(cb, e);
+    e->host_bytes = n * sizeof(float);
+    memcpy(e->fp, fp, sizeof fp);
+    e->d_w = upload(cb, host, n * sizeof(float));
+    if (!e->d_w) {
+        e->host_bytes = 0;
+        fail(cb, "CUDA backend: out of device memory uploading a vector of %zu floats", n);
+    }
+    return e->d_w;
+}
+
+static size_t lin_host_bytes(const df_linear *L) {
+    if (L->bits > 0) return (size_t)L->rows * ((size_t)L->cols * (size_t)L->bits / 32) * 4;
+    return (size_t)L->rows * (size_t)L->cols * dtype_size(L->wdtype);
+}
+
+static int same_linear(const wentry *e, const df_linear *L, unsigned char fp[3][FP_BYTES]) {
+    return e->rows == L->rows && e->cols == L->cols && e->bits == L->bits && e->gs == L->group_size &&
+           e->wdtype == (int)L->wdtype && e->sdtype == (int)L->sdtype && e->hb == L->hadamard_block &&
+           e->h_scales == L->scales && e->h_biases == L->biases && e->h_signs == L->signs &&
+           memcmp(fp, e->fp, 3 * FP_BYTES) == 0;
+}
+
+/* K-slices per CTA of the tensor-core linear: from the shape alone (never from M), so that a
+ * row's reduction order is the same in every call. Eight slices (one per warp) keep the most
+ * loads in flight for a single row; fewer when the weight has fewer than eight groups. */
+static int choose_kw(int rows, int ng) {
+    (void)rows;
+    const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
+    if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
+        return atoi(force);
+    int kw = 1;
+    while (kw < 8 && kw * 2 <= ng) kw *= 2;
+    return kw;
+}
+
+static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
+
+/* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
+static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
+    int fresh;
+    wentry *e = w_slot(cb, L->w, kind, &fresh);
+    if (!e) {
+        fail(cb, "CUDA backend: out of host memory");
+        return NULL;
+    }
+    const size_t hbytes = lin_host_bytes(L);
+    unsigned char fp[3][FP_BYTES];
+    fingerprint(L->w, hbytes, fp);
+    if (!fresh && e->d_w && same_linear(e, L, fp)) return e;
+    wentry_release(cb, e);
+    e->rows = L->rows;
+    e->cols = L->cols;
+    e->bits = L->bits;
+    e->gs = L->group_size;
+    e->wdtype = (int)L->wdtype;
+    e->sdtype = (int)L->sdtype;
+    e->hb = L->hadamard_block;
+    e->h_scales = L->scales;
+    e->h_biases = L->biases;
+    e->h_signs = L->signs;
+    memcpy(e->fp, fp, sizeof fp);
+    e->mode = LIN_SIMPLE;
+    e->lgs = 0;
+    e->KW = 1;
+    const int rows = L->rows, cols = L->cols, tiles = (rows + 15) / 16;
+    const size_t sb_bytes = L->bits > 0 ? (size_t)rows * (size_t)(cols / L->group_size) * 2 : 0;
+    if (kind == W_LIN && !cb->force_simple) {
+        if ((L->bits == 2 || L->bits == 4 || L->bits == 8) && (L->group_size == 64 || L->group_size == 128) &&
+            cols % L->group_size == 0 && (L->sdtype == DF_DTYPE_F16 || L->sdtype == DF_DTYPE_BF16))
+            e->mode = L->bits, e->lgs = L->group_size;
+        else if (L->bits == 0 && L->wdtype == DF_DTYPE_BF16 && cols % 64 == 0)
+            e->mode = DFK_MMA_BF16, e->lgs = 64;
+    }
+    int ok = 1;
+    if (e->mode != LIN_SIMPLE) {
+        const int ng = cols / e->lgs;
+        e->KW = choose_kw(rows, ng);
+        const size_t wpl = e->mode == DFK_MMA_BF16 ? (size_t)(e->lgs / 16) * 4 : (size_t)e->mode * (size_t)e->lgs / 64;
+        const size_t nwords = (size_t)tiles * (size_t)ng * 32 * wpl;
+        void *t_w = dmalloc(cb, hbytes), *t_s = NULL, *t_b = NULL;
+        ok = t_w && cudaMemcpy(t_w, L->w, hbytes, cudaMemcpyHostToDevice) == cudaSuccess;
+        if (ok && e->mode != DFK_MMA_BF16) {
+            t_s = dmalloc(cb, sb_bytes);
+            t_b = dmalloc(cb, sb_bytes);
+            ok = t_s && t_b && cudaMemcpy(t_s, L->scales, sb_bytes, cudaMemcpyHostToDevice) == cudaSuccess &&
+                 cudaMemcpy(t_b, L->biases, sb_bytes, cudaMemcpyHostToDevice) == cudaSuccess;
+        }
+        if (ok) {
+            e->d_w = walloc(cb, nwords * 4);
+            ok = e->d_w != NULL;
+        }
+        if (ok && e->mode != DFK_MMA_BF16) {
+            e->d_s = walloc(cb, (size_t)tiles * (size_t)ng * 16 * 4);
+            ok = e->d_s != NULL;
+        }
+        if (ok) {
+            int st = e->mode == DFK_MMA_BF16 ? dfk_repack_bf16(t_w, rows, cols, e->d_w)
+                                             : dfk_repack_quant(t_w, t_s, t_b, rows, cols, L->bits, L->group_size,
+                                                                e->d_w, e->d_s);
+            if (st == 0) st = (int)cudaDeviceSynchronize();
+            if (st != 0) {
+                fail(cb, "CUDA backend: repacking %s: %s", L->name ? L->name : "(linear)",
+                     cudaGetErrorString((cudaError_t)st));
+                ok = 0;
+            }
+        }
+        dfree(cb, t_w);
+        dfree(cb, t_s);
+        dfree(cb, t_b);
+    } else {
+        e->d_w = upload(cb, L->w, hbytes);
+        ok = e->d_w != NULL;
+        if (ok && L->bits > 0) {
+            e->d_s = upload(cb, L->scales, sb_bytes);
+            e->d_b = upload(cb, L->biases, sb_bytes);
+            ok = e->d_s && e->d_b;
+        }
+    }
+    if (ok && L->hadamard_block > 0) {
+        e->d_signs = upload(cb, L->signs, (size_t)cols * sizeof(float));
+        ok = e->d_signs != NULL;
+    }
+    if (!ok) {
+        wentry_release(cb, e);
+        fail(cb, "CUDA backend: out of device memory uploading %s (%d x %d)", L->name ? L->name : "(linear)", rows,
+             cols);
+        return NULL;
+    }
+    return e;
+}
+
+/* ---- steps and graphs --------------------------------------------------------------------------
+ *
+ * Ops do not launch at once: each records commands (a launcher and its arguments) into the
+ * current step. A step runs when the host needs a result or a buffer goes away (to_host,
+ * argmax, dealloc, sync, destroy): the values that change from step to step (token ids, RoPE
+ * positions, the cache length pos0, host data copied to the device) travel in a small parameter
+ * block copied to the device first, and kernels read them from there. A step whose commands
+ * (launchers, pointers, shapes) equal those of a step seen before runs as a replayed CUDA graph
+ * (captured on its second occurrence), which removes the per-launch cost of ~1400 kernels per
+ * decoded token. Replays run exactly the kernels with exactly the arguments of an eager run:
+ * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly. */
+
+#define CMD_ARGS 200
+#define DF_CUDA_MAX_PARAMS 65536
+#define DF_CUDA_STAGE_BYTES ((size_t)32 << 20)
+#define DF_CUDA_MAX_GRAPHS 256
+
+typedef int (*cmd_fn)(cuda_backend *cb, const void *args);
+
+typedef struct cmd {
+    cmd_fn fn;
+    const char *what;
+    size_t size;
+    unsigned char args[CMD_ARGS];
+} cmd;
+
+typedef struct gentry {
+    uint64_t hash, used;
+    size_t n_cmds, n_params, n_stage;
+    cmd *sig;               /* copy of the commands */
+    cudaGraphExec_t exec;   /* NULL until the step is seen a second time */
+    int no_graph;           /* capture failed: run this step eagerly */
+} gentry;
+
+static void free_later(cuda_backend *cb, void *p) {
+    if (!p) return;
+    if (cb->n_dfree == cb->cap_dfree) {
+        size_t cap = cb->cap_dfree ? cb->cap_dfree * 2 : 64;
+        void **n = realloc(cb->dfree_later, cap * sizeof *n);
+        if (!n) { /* cannot defer: wait for the device instead */
+            cudaStreamSynchronize(cb->stream);
+            dfree(cb, p);
+            return;
+        }
+        cb->dfree_later = n;
+        cb->cap_dfree = cap;
+    }
+    cb->dfree_later[cb->n_dfree++] = p;
+}
+
+/* Hash of n bytes (a multiple of 8) into h, a word at a time. */
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x100000001b3ULL;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+static void step_run(cuda_backend *cb);
+
+/* Appends a command (args: a struct of at most CMD_ARGS bytes, zero-padded by the caller). */
+static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size) {
+    if (cb->n_cmds == cb->cap_cmds) {
+        size_t cap = cb->cap_cmds ? cb->cap_cmds * 2 : 2048;
+        cmd *n = realloc(cb->cmds, cap * sizeof *n);
+        if (!n) {
+            fail(cb, "CUDA backend: out of host memory for commands");
+            return;
+        }
+        cb->cmds = n;
+        cb->cap_cmds = cap;
+    }
+    cmd *c = &cb->cmds[cb->n_cmds++];
+    memset(c, 0, sizeof *c);
+    c->fn = fn;
+    c->what = what;
+    c->size = (size + 7) / 8 * 8;
+    memcpy(c->args, args, size);
+    cb->sig_hash = fnv(cb->sig_hash, c, offsetof(cmd, args) + c->size);
+}
+
+/* Room for n parameter ints in this step: their offset (the step runs first when full). */
+static size_t params(cuda_backend *cb, size_t n) {
+    if (cb->n_params + n > DF_CUDA_MAX_PARAMS) step_run(cb);
+    size_t off = cb->n_params;
+    cb->n_params += n;
+    return off;
+}
+
+static void graph_free(gentry *g) {
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    free(g->sig);
+    memset(g, 0, sizeof *g);
+}
+
+static int run_cmds(cuda_backend *cb) {
+    int st = 0;
+    dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
+    if (cb->n_params)
+        st = (int)cudaMemcpyAsync(cb->dparams, cb->hparams, cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                  cb->stream);
+    for (size_t i = 0; i < cb->n_cmds && st == 0; i++) {
+        st = cb->cmds[i].fn(cb, cb->cmds[i].args);
+        if (st) {
+            if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", cb->cmds[i].what);
+            else fail(cb, "%s: CUDA error: %s", cb->cmds[i].what, cudaGetErrorString((cudaError_t)st));
+        }
+    }
+    return st;
+}
+
+/* Runs the recorded step (replaying or capturing a graph when it repeats) and waits for it. */
+static void step_run(cuda_backend *cb) {
+    if (cb->n_cmds || cb->n_params || cb->n_stage) {
+        cb->n_steps++;
+        gentry *hit = NULL, *victim = NULL;
+        const uint64_t key = fnv(cb->sig_hash, &cb->n_params, sizeof cb->n_params) ^ (uint64_t)cb->n_stage;
+        if (cb->use_graphs && cb->n_cmds > 0) {
+            for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) {
+                gentry *g = &cb->graphs[i];
+                if (g->sig && g->hash == key && g->n_cmds == cb->n_cmds && g->n_params == cb->n_params &&
+                    g->n_stage == cb->n_stage && memcmp(g->sig, cb->cmds, cb->n_cmds * sizeof(cmd)) == 0) {
+                    hit = g;
+                    break;
+                }
+                if (!victim || !g->sig || (victim->sig && g->used < victim->used)) victim = g;
+            }
+        }
+        int st = 0;
+        if (hit && hit->exec) {
+            st = (int)cudaGraphLaunch(hit->exec, cb->stream);
+            cb->n_replays++;
+        } else if (hit && hit->no_graph) {
+            run_cmds(cb);
+        } else if (hit) { /* second occurrence: capture it */
+            cudaGraph_t graph = NULL;
+            const int failed_before = cb->base.failed;
+            int cs = (int)cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
+            if (cs == 0) {
+                int rs = run_cmds(cb);
+                int es = (int)cudaStreamEndCapture(cb->stream, &graph);
+                cs = rs ? rs : es;
+            }
+            if (cs == 0) cs = (int)cudaGraphInstantiate(&hit->exec, graph, 0);
+            if (graph) cudaGraphDestroy(graph);
+            cb->n_captures++;
+            if (cs == 0) {
+                st = (int)cudaGraphLaunch(hit->exec, cb->stream);
+            } else { /* run it eagerly instead, and never try to capture it again */
+                cudaGetLastError();
+                if (hit->exec) cudaGraphExecDestroy(hit->exec);
+                hit->exec = NULL;
+                hit->no_graph = 1;
+                if (!failed_before) { /* a command error during capture is reported by the eager run */
+                    cb->base.failed = 0;
+                    cb->err[0] = 0;
+                }
+                run_cmds(cb);
+            }
+        } else {
+            if (victim) { /* remember the step; captured if it comes again */
+                graph_free(victim);
+                victim->sig = malloc(cb->n_cmds * sizeof(cmd));
+                if (victim->sig) {
+                    memcpy(victim->sig, cb->cmds, cb->n_cmds * sizeof(cmd));
+                    victim->hash = key;
+                    victim->n_cmds = cb->n_cmds;
+                    victim->n_params = cb->n_params;
+                    victim->n_stage = cb->n_stage;
+                    hit = victim;
+                }
+            }
+            run_cmds(cb);
+        }
+        if (hit) hit->used = ++cb->clock;
+        if (st && !cb->base.failed) fail(cb, "step: %s", cudaGetErrorString((cudaError_t)st));
+    }
+    cudaError_t e = cudaStreamSynchronize(cb->stream);
+    if (e != cudaSuccess && !cb->base.failed) fail(cb, "step: CUDA error: %s", cudaGetErrorString(e));
+    cb->n_cmds = 0;
+    cb->n_params = 0;
+    cb->n_stage = 0;
+    cb->sig_hash = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < cb->n_dfree; i++) dfree(cb, cb->dfree_later[i]);
+    cb->n_dfree = 0;
+}
+
+/* ---- memory ops -------------------------------------------------------------------------------- */
+
+static void *cu_alloc(df_backend *be, size_t bytes) {
+    cuda_backend *cb = cub(be);
+    void *p = dmalloc(cb, bytes);
+    if (p && (cudaMemsetAsync(p, 0, bytes ? bytes : 1, cb->stream) != cudaSuccess ||
+              cudaStreamSynchronize(cb->stream) != cudaSuccess)) {
+        cudaGetLastError();
+        dfree(cb, p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_dealloc(df_backend *be, void *p) {
+    cuda_backend *cb = cub(be);
+    if (!p) return;
+    step_run(cb);
+    dfree(cb, p);
+}
+
+typedef struct a_copy {
+    void *dst;
+    const void *src;
+    size_t n;
+    size_t stage; /* h2d: offset in the staging buffer */
+    int kind;     /* 0 d2d, 1 h2d, 2 memset */
+} a_copy;
+
+static int run_copy(cuda_backend *cb, const void *args) {
+    const a_copy *a = args;
+    if (a->kind == 2) return (int)cudaMemsetAsync(a->dst, 0, a->n, cb->stream);
+    if (a->kind == 1) return (int)cudaMemcpyAsync(a->dst, cb->hstage + a->stage, a->n, cudaMemcpyHostToDevice, cb->stream);
+    return (int)cudaMemcpyAsync(a->dst, a->src, a->n, cudaMemcpyDeviceToDevice, cb->stream);
+}
+
+static void cu_to_device(df_backend *be, void *dst, const void *src, size_t n) {
+    cuda_backend *cb = cub(be);
+    if (!n) return;
+    if (cb->n_stage + n > DF_CUDA_STAGE_BYTES) step_run(cb);
+    if (n > DF_CUDA_STAGE_BYTES) { /* too big to stage: a synchronous copy */
+        check(cb, (int)cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "to_device");
+        return;
+    }
+    a_copy a;
+    memset(&a, 0, sizeof a);
+    a.dst = dst;
+    a.n = n;
+    a.stage = cb->n_stage;
+    a.kind = 1;
+    memcpy(cb->hstage + cb->n_stage, src, n);
+    cb->n_stage += (n + 15) / 16 * 16;
+    record(cb, run_copy, "to_device", &a, sizeof a);
+}
+
+static void cu_to_host(df_backend *be, void *dst, const void *src, size_t n) {
+    cuda_backend *cb = cub(be);
+    step_run(cb);
+    if (n) check(cb, (int)cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "to_host");
+}
+
+static void cu_copy(df_backend *be, void *dst, const void *src, size_t n) {
+    if (!n) return;
+    a_copy a;
+    memset(&a, 0, sizeof a);
+    a.dst = dst;
+    a.src = src;
+    a.n = n;
+    record(cub(be), run_copy, "copy", &a, sizeof a);
+}
+
+static void cu_zero(df_backend *be, void *dst, size_t n) {
+    if (!n) return;
+    a_copy a;
+    memset(&a, 0, sizeof a);
+    a.dst = dst;
+    a.n = n;
+    a.kind = 2;
+    record(cub(be), run_copy, "zero", &a, sizeof a);
+}
+
+/* ---- ops ------------------------------------------------------------------------------------------ */
+
+static float hadamard_scale(int hb) { return hb > 0 ? (float)(1.0 / sqrt((double)hb)) : 1.0f; }
+
+typedef struct a_embed {
+    const void *codes, *scales, *biases, *dense, *signs;
+    const int32_t *ids;
+    float *out;
+    float hscale;
+    int sb_bf16, bits, gs, wdtype, rows, cols, hb, M;
+} a_embed;
+
+static int run_embed(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_embed *a = args;
+    return dfk_embed(a->codes, a->scales, a->biases, a->sb_bf16, a->bits, a->gs, a->dense, a->wdtype, a->rows, a->cols,
+                     a->signs, a->hb, a->hscale, a->ids, a->M, a->out);
+}
+
+static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out) {
+    cuda_backend *cb = cub(be);
+    if (E->cols > 12288) {
+        fail(cb, "embed: width %d above 12288 is not supported on the CUDA backend", E->cols);
+        return;
+    }
+    const wentry *e = dlin(cb, E, W_EMB);
+    if (!e) return;
+    for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
+        const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
+        const size_t off = params(cb, DFK_MAX_ROWS);
+        for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < mm ? ids[m0 + m] : 0;
+        a_embed a;
+        memset(&a, 0, sizeof a);
+        a.codes = E->bits > 0 ? e->d_w : NULL;
+        a.scales = e->d_s;
+        a.biases = e->d_b;
+        a.dense = E->bits > 0 ? NULL : e->d_w;
+        a.signs = e->d_signs;
+        a.ids = cb->dparams + off;
+        a.out = out + (size_t)m0 * (size_t)E->cols;
+        a.hscale = hadamard_scale(E->hadamard_block);
+        a.sb_bf16 = E->sdtype == DF_DTYPE_BF16;
+        a.bits = E->bits;
+        a.gs = E->group_size;
+        a.wdtype = wdtype_code(E->wdtype);
+        a.rows = E->rows;
+        a.cols = E->cols;
+        a.hb = E->hadamard_block;
+        a.M = mm;
+        record(cb, run_embed, "embed", &a, sizeof a);
+    }
+}
+
+/* Columns one prep block handles: a multiple of hb and gs dividing cols, up to 1024 (or hb). */
+static int prep_seg(int cols, int hb, int gs) {
+    int seg = 16;
+    if (hb > seg) seg = hb;
+    if (gs > seg) seg = gs;
+    while (seg < 1024 && cols % (2 * seg) == 0) seg *= 2;
+    return seg;
+}
+
+static int pow2floor(int x) {
+    int p = 1;
+    while (p * 2 <= x) p *= 2;
+    return p;
+}
+
+typedef struct a_prep {
+    const float *x, *signs;
+    float *xf, *xs;
+    uint32_t *xb;
+    float hscale;
+    int M, cols, hb, gs, seg;
+} a_prep;
+
+static int run_prep(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_prep *a = args;
+    return dfk_prep(a->x, a->M, a->cols, a->signs, a->hb, a->hscale, a->gs, a->seg, a->xf, a->xs, a->xb);
+}
+
+typedef struct a_lin {
+    const void *w, *s, *b;
+    const uint32_t *xb;
+    const float *xf, *xs;
+    float *y;
+    int mode, lgs, sb_bf16, rows, cols, M, KW, TR, wdtype, bits, gs;
+} a_lin;
+
+static int run_lin_mma(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_lin *a = args;
+    return dfk_linear_mma(a->mode, a->lgs, a->w, a->s, a->sb_bf16, a->rows, a->cols, a->xb, a->xs, a->M, a->KW, a->TR,
+                          a->y);
+}
+
+static int run_lin_simple(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_lin *a = args;
+    return dfk_linear_simple(a->w, a->wdtype, a->s, a->b, a->sb_bf16, a->bits, a->gs, a->rows, a->cols, a->xf, a->M,
+                             a->y);
+}
+
+static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y) {
+    cuda_backend *cb = cub(be);
+    const wentry *e = dlin(cb, W, W_LIN);
+    if (!e) return;
+    const int rows = W->rows, cols = W->cols, hb = W->hadamard_block;
+    if (hb > 8192 || (hb > 0 && cols % hb != 0)) {
+        fail(cb, "linear %s: Hadamard block %d not supported on the CUDA backend", W->name ? W->name : "", hb);
+        return;
+    }
+    for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
+        const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
+        const float *xin = x + (size_t)m0 * (size_t)cols;
+        float *yout = y + (size_t)m0 * (size_t)rows;
+        a_lin l;
+        memset(&l, 0, sizeof l);
+        l.w = e->d_w;
+        l.s = e->d_s;
+        l.b = e->d_b;
+        l.y = yout;
+        l.mode = e->mode;
+        l.lgs = e->lgs;
+        l.sb_bf16 = W->sdtype == DF_DTYPE_BF16;
+        l.rows = rows;
+        l.cols = cols;
+        l.M = mm;
+        l.KW = e->KW;
+        l.wdtype = wdtype_code(W->wdtype);
+        l.bits = W->bits;
+        l.gs = W->group_size;
+        a_prep p;
+        memset(&p, 0, sizeof p);
+        p.x = xin;
+        p.signs = hb > 0 ? e->d_signs : NULL;
+        p.hscale = hadamard_scale(hb);
+        p.M = mm;
+        p.cols = cols;
+        p.hb = hb;
+        if (e->mode == LIN_SIMPLE) {
+            l.xf = xin;
+            if (hb > 0) {
+                if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float))) return;
+                p.xf = cb->xf;
+                p.seg = prep_seg(cols, hb, 0);
+                record(cb, run_prep, "linear prep", &p, sizeof p);
+                l.xf = cb->xf;
+            }
+            record(cb, run_lin_simple, "linear", &l, sizeof l);
+            continue;
+        }
+        const int quant = e->mode != DFK_MMA_BF16;
+        const int gs = quant ? e->lgs : 0;
+        const size_t kbt = (size_t)cols / 16, pairs = (size_t)(mm + 1) / 2;
+        if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float)) ||
+            !scratch(cb, (void **)&cb->xb, &cb->xb_cap, pairs * kbt * 32 * 2, sizeof(uint32_t)) ||
+            (quant && !scratch(cb, (void **)&cb->xs, &cb->xs_cap, (size_t)mm * (size_t)(cols / gs), sizeof(float))))
+            return;
+        p.xf = cb->xf;
+        p.xs = quant ? cb->xs : NULL;
+        p.xb = cb->xb;
+        p.gs = gs;
+        p.seg = prep_seg(cols, hb, quant ? gs : 64);
+        record(cb, run_prep, "linear prep", &p, sizeof p);
+        const int tiles = (rows + 15) / 16, RW = 8 / e->KW;
+        int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
+        const int trmax = dfk_linear_mma_max_tr(e->mode, e->lgs, mm);
+        if (tr > trmax) tr = trmax;
+        l.TR = tr;
+        l.xb = cb->xb;
+        l.xs = quant ? cb->xs : NULL;
+        record(cb, run_lin_mma, "linear", &l, sizeof l);
+    }
+}
+
+typedef struct a_ew {
+    const float *x, *w, *u;
+    float *y;
+    size_t n;
+    float eps;
+    int rows, width, kind; /* 0 rmsnorm, 1 add, 2 swiglu */
+} a_ew;
+
+static int run_ew(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_ew *a = args;
+    if (a->kind == 0) return dfk_rmsnorm(a->x, a->w, a->rows, a->width, a->eps, a->y);
+    if (a->kind == 1) return dfk_add(a->y, a->x, a->n);
+    return dfk_swiglu(a->x, a->u, a->n, a->y);
+}
+
+static void cu_rmsnorm(df_backend *be, const float *x, const float *w, int rows, int width, float eps, float *y) {
+    cuda_backend *cb = cub(be);
+    const float *dw = NULL;
+    if (w && !(dw = dvec(cb, w, (size_t)width))) return;
+    a_ew a;
+    memset(&a, 0, sizeof a);
+    a.x = x;
+    a.w = dw;
+    a.y = y;
+    a.rows = rows;
+    a.width = width;
+    a.eps = eps;
+    record(cb, run_ew, "rmsnorm", &a, sizeof a);
+}
+
+static void cu_add(df_backend *be, float *y, const float *x, size_t n) {
+    if (!n) return;
+    a_ew a;
+    memset(&a, 0, sizeof a);
+    a.x = x;
+    a.y = y;
+    a.n = n;
+    a.kind = 1;
+    record(cub(be), run_ew, "add", &a, sizeof a);
+}
+
+static void cu_swiglu(df_backend *be, const float *gate, const float *up, size_t n, float *out) {
+    if (!n) return;
+    a_ew a;
+    memset(&a, 0, sizeof a);
+    a.x = gate;
+    a.u = up;
+    a.y = out;
+    a.n = n;
+    a.kind = 2;
+    record(cub(be), run_ew, "swiglu", &a, sizeof a);
+}
+
+static int attn_shape_ok(cuda_backend *cb, const df_attn_shape *sh, int M) {
+    if (M < 1 || M > DFK_MAX_ROWS || sh->head_dim > 1024 || sh->rot_dims > sh->head_dim || sh->n_kv_heads <= 0 ||
+        sh->n_heads % sh->n_kv_heads != 0) {
+        fail(cb, "attention: unsupported shape (M %d, head_dim %d, heads %d/%d) on the CUDA backend", M, sh->head_dim,
+             sh->n_heads, sh->n_kv_heads);
+        return 0;
+    }
+    return 1;
+}
+
+typedef struct a_attn {
+    float *q, *k, *k_cache, *v_cache, *part, *out;
+    const float *v, *qn, *kn;
+    const int32_t *pos; /* device: [DFK_MAX_ROWS] positions, then pos0 */
+    float theta, eps;
+    int qstride, nh, nkv, hd, rot, M, gated, causal, nchunk;
+} a_attn;
+
+static int run_qk_prep(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_attn *a = args;
+    return dfk_qk_prep(a->q, a->qstride, a->nh, a->k, a->v, a->nkv, a->hd, a->qn, a->kn, a->rot, a->theta, a->eps,
+                       a->pos, a->M, a->k_cache, a->v_cache);
+}
+
+static int run_attention(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_attn *a = args;
+    return dfk_attention(a->q, a->qstride, a->gated, a->nh, a->nkv, a->hd, a->k_cache, a->v_cache, a->causal,
+                         a->pos + DFK_MAX_ROWS, a->M, a->nchunk, a->part, a->out);
+}
+
+/* Records the k/v (and q) preparation of an attention op; fills the common arguments. */
+static int attn_prep(cuda_backend *cb, const df_attn_shape *sh, float *q, float *k, const float *v,
+                     const float *q_norm, const float *k_norm, const int32_t *positions, int M, float *k_cache,
+                     float *v_cache, int pos0, a_attn *a) {
+    if (!attn_shape_ok(cb, sh, M)) return 0;
+    const int hd = sh->head_dim;
+    memset(a, 0, sizeof *a);
+    if (q_norm && !(a->qn = dvec(cb, q_norm, (size_t)hd))) return 0;
+    if (k_norm && !(a->kn = dvec(cb, k_norm, (size_t)hd))) return 0;
+    const size_t off = params(cb, DFK_MAX_ROWS + 1);
+    for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < M ? positions[m] : 0;
+    cb->hparams[off + DFK_MAX_ROWS] = pos0;
+    a->q = q;
+    a->k = k;
+    a->v = v;
+    a->k_cache = k_cache;
+    a->v_cache = v_cache;
+    a->pos = cb->dparams + off;
+    a->theta = sh->rope_theta;
+    a->eps = sh->eps;
+    a->qstride = (sh->gated ? 2 : 1) * hd;
+    a->nh = sh->n_heads;
+    a->nkv = sh->n_kv_heads;
+    a->hd = hd;
+    a->rot = sh->rot_dims;
+    a->M = M;
+    a->gated = sh->gated;
+    a->causal = sh->causal;
+    record(cb, run_qk_prep, "attention prep", a, sizeof *a);
+    return 1;
+}
+
+static void cu_kv_append(df_backend *be, const df_attn_shape *sh, float *k, const float *v, const float *k_norm,
+                         const int32_t *positions, int M, float *k_cache, float *v_cache, int pos0) {
+    a_attn a;
+    attn_prep(cub(be), sh, NULL, k, v, NULL, k_norm, positions, M, k_cache, v_cache, pos0, &a);
+}
+
+static void cu_attention(df_backend *be, const df_attn_shape *sh, float *q, float *k, const float *v,
+                         const float *q_norm, const float *k_norm, const int32_t *positions, int M, float *k_cache,
+                         float *v_cache, int pos0, float *out) {
+    cuda_backend *cb = cub(be);
+    a_attn a;
+    if (!attn_prep(cb, sh, q, k, v, q_norm, k_norm, positions, M, k_cache, v_cache, pos0, &a)) return;
+    /* chunk bound rounded up to a power of two (>= 8): steps at nearby positions share a graph */
+    const int need = (pos0 + M + DFK_ATTN_CHUNK - 1) / DFK_ATTN_CHUNK;
+    int nchunk = 8;
+    while (nchunk < need) nchunk *= 2;
+    if (!scratch(cb, (void **)&cb->part, &cb->part_cap,
+                 (size_t)M * (size_t)sh->n_heads * (size_t)nchunk * (size_t)(sh->head_dim + 2), sizeof(float)))
+        return;
+    a.nchunk = nchunk;
+    a.part = cb->part;
+    a.out = out;
+    record(cb, run_attention, "attention", &a, sizeof a);
+}
+
+typedef struct a_gdn {
+    const float *qkv, *z, *a, *b, *cw, *al, *dt, *nw;
+    float *conv_state, *S, *out, *conv_out;
+    float eps;
+    int nk, nv, dk, dv, C, K, M;
+} a_gdn;
+
+static int run_gdn(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_gdn *g = args;
+    int st = dfk_gdn_conv(g->qkv, g->cw, g->C, g->K, g->M, g->conv_state, g->conv_out);
+    if (st) return st;
+    return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, g->nk, g->nv, g->dk, g->dv, g->eps,
+                              g->M, g->S, g->out);
+}
+
+static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                   const float *b, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w,
+                   int M, float *conv_state, float *S, float *out) {
+    cuda_backend *cb = cub(be);
+    a_gdn g;
+    memset(&g, 0, sizeof g);
+    g.nk = sh->n_k_heads;
+    g.nv = sh->n_v_heads;
+    g.dk = sh->k_head_dim;
+    g.dv = sh->v_head_dim;
+    g.C = 2 * g.nk * g.dk + g.nv * g.dv;
+    g.K = sh->conv_kernel;
+    g.M = M;
+    g.eps = sh->eps;
+    g.cw = dvec(cb, conv_w, (size_t)g.C * (size_t)g.K);
+    g.al = dvec(cb, A_log, (size_t)g.nv);
+    g.dt = dvec(cb, dt_bias, (size_t)g.nv);
+    g.nw = dvec(cb, norm_w, (size_t)g.dv);
+    if (!g.cw || !g.al || !g.dt || !g.nw) {
+        if (!be->failed) fail(cb, "gdn: missing weights");
+        return;
+    }
+    if (!scratch(cb, (void **)&cb->conv_out, &cb->conv_cap, (size_t)M * (size_t)g.C, sizeof(float))) return;
+    g.conv_out = cb->conv_out;
+    g.qkv = qkv;
+    g.z = z;
+    g.a = a;
+    g.b = b;
+    g.conv_state = conv_state;
+    g.S = S;
+    g.out = out;
+    record(cb, run_gdn, "gdn", &g, sizeof g);
+}
+
+typedef struct a_dyn {
+    const float *x, *dyn, *base;
+    float *out;
+    int dyn_stride, K, gs, M, H;
+} a_dyn;
+
+static int run_dyn(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_dyn *a = args;
+    return dfk_dyn_conv(a->x, a->dyn, a->dyn_stride, a->base, a->K, a->gs, a->M, a->H, a->out);
+}
+
+static void cu_dyn_conv(df_backend *be, const float *x, const float *dyn, int dyn_stride, const float *base, int K,
+                        int gs, int M, int H, float *out) {
+    cuda_backend *cb = cub(be);
+    a_dyn a;
+    memset(&a, 0, sizeof a);
+    if (gs <= 0 || H % gs != 0) {
+        fail(cb, "dyn_conv: group size %d does not divide %d", gs, H);
+        return;
+    }
+    if (!(a.base = dvec(cb, base, (size_t)K * (size_t)H))) return;
+    a.x = x;
+    a.dyn = dyn;
+    a.out = out;
+    a.dyn_stride = dyn_stride;
+    a.K = K;
+    a.gs = gs;
+    a.M = M;
+    a.H = H;
+    record(cb, run_dyn, "dyn_conv", &a, sizeof a);
+}
+
+typedef struct a_argmax {
+    const float *x;
+    int32_t *out;
+    int rows, width;
+} a_argmax;
+
+static int run_argmax(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_argmax *a = args;
+    return dfk_argmax(a->x, a->rows, a->width, a->out);
+}
+
+static void cu_argmax(df_backend *be, const float *x, int rows, int width, int32_t *out) {
+    cuda_backend *cb = cub(be);
+    for (int r0 = 0; r0 < rows; r0 += DFK_MAX_ROWS) {
+        const int n = rows - r0 < DFK_MAX_ROWS ? rows - r0 : DFK_MAX_ROWS;
+        a_argmax a;
+        memset(&a, 0, sizeof a);
+        a.x = x + (size_t)r0 * (size_t)width;
+        a.out = cb->ids;
+        a.rows = n;
+        a.width = width;
+        record(cb, run_argmax, "argmax", &a, sizeof a);
+        step_run(cb);
+        if (!check(cb, (int)cudaMemcpy(out + r0, cb->ids, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                   "argmax"))
+            return;
+    }
+}
+
+/* ---- construction ---------------------------------------------------------------------------------- */
+
+static void cu_destroy(df_backend *be) {
+    cuda_backend *cb = cub(be);
+    if (!cb) return;
+    if (cb->stream) step_run(cb);
+    if (cb->graphs) {
+        for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) graph_free(&cb->graphs[i]);
+        free(cb->graphs);
+    }
+    for (size_t i = 0; i < cb->w_cap; i++) {
+        if (!cb->w[i]) continue;
+        wentry_release(cb, cb->w[i]);
+        free(cb->w[i]);
+    }
+    free(cb->w);
+    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
+    /* buffers the caller did not free */
+    for (size_t i = 0; i < cb->a_cap; i++)
+        if (cb->a[i].p && cb->a[i].p != (void *)1) cudaFree(cb->a[i].p);
+    free(cb->a);
+    free(cb->cmds);
+    free(cb->dfree_later);
+    if (cb->hparams) cudaFreeHost(cb->hparams);
+    if (cb->hstage) cudaFreeHost(cb->hstage);
+    if (cb->stream) cudaStreamDestroy(cb->stream);
+    free(cb);
+}
+
+static const df_backend_ops cuda_ops = {
+    .name = "cuda",
+    .destroy = cu_destroy,
+    .alloc = cu_alloc,
+    .dealloc = cu_dealloc,
+    .to_device = cu_to_device,
+    .to_host = cu_to_host,
+    .copy = cu_copy,
+    .zero = cu_zero,
+    .embed = cu_embed,
+    .linear = cu_linear,
+    .rmsnorm = cu_rmsnorm,
+    .add = cu_add,
+    .swiglu = cu_swiglu,
+    .attention = cu_attention,
+    .kv_append = cu_kv_append,
+    .dyn_conv = cu_dyn_conv,
+    .gdn = cu_gdn,
+    .argmax = cu_argmax,
+};
+
+int df_cuda_available(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n > 0;
+}
+
+df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
+    *out = NULL;
+    int n = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        return df_error_set(err, DF_ERR_UNSUPPORTED, "CUDA backend: no usable GPU (%s)",
+                            ce != cudaSuccess ? cudaGetErrorString(ce) : "no device");
+    }
+    if (device < 0 || device >= n)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "CUDA backend: device %d does not exist (%d found)", device, n);
+    if ((ce = cudaSetDevice(device)) != cudaSuccess)
+        return df_error_set(err, DF_ERR_UNSUPPORTED, "CUDA backend: cannot use device %d: %s", device,
+                            cudaGetErrorString(ce));
+    cuda_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
+    cb->base.ops = &cuda_ops;
+    cb->base.n_threads = 1;
+    const char *lin = getenv("DFLASH_CUDA_LINEAR");
+    cb->force_simple = lin && strcmp(lin, "simple") == 0;
+    const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");
+    cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 1056; /* about 4 waves of 2 CTAs per SM */
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) dfk_set_sm_count(prop.multiProcessorCount);
+    const char *dec = getenv("DFLASH_CUDA_DEC");
+    dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
+    const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
+    cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
+    cb->sig_hash = 0xcbf29ce484222325ULL;
+    if (!w_grow(cb) || !a_grow(cb) || !(cb->ids = dmalloc(cb, DFK_MAX_ROWS * sizeof(int32_t))) ||
+        !(cb->dparams = dmalloc(cb, DF_CUDA_MAX_PARAMS * sizeof(int32_t))) ||
+        cudaMallocHost((void **)&cb->hparams, DF_CUDA_MAX_PARAMS * sizeof(int32_t)) != cudaSuccess ||
+        cudaMallocHost((void **)&cb->hstage, DF_CUDA_STAGE_BYTES) != cudaSuccess ||
+        !(cb->graphs = calloc(DF_CUDA_MAX_GRAPHS, sizeof *cb->graphs)) ||
+        cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess) {
+        cudaGetLastError();
+        cu_destroy(&cb->base);
+        return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
+    }
+    *out = &cb->base;
+    return DF_OK;
+}
+
+const char *df_backend_cuda_last_error(df_backend *be) { return cub(be)->err; }
+
+void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st) {
+    cuda_backend *cb = cub(be);
+    st->steps = cb->n_steps;
+    st->graph_replays = cb->n_replays;
+    st->graph_captures = cb->n_captures;
+    st->cur_bytes = cb->cur;
+    st->peak_bytes = cb->peak;
+    st->weight_bytes = cb->weight_bytes;
+    int nw = 0;
+    for (size_t i = 0; i < cb->w_cap; i++)
+        if (cb->w[i] && cb->w[i]->d_w) nw++;
+    st->n_weights = nw;
+}
+
+void df_backend_cuda_reset_peak(df_backend *be) { cub(be)->peak = cub(be)->cur; }
+
+void df_backend_cuda_sync(df_backend *be) {
+    step_run(cub(be));
+    if (cudaDeviceSynchronize() != cudaSuccess) fail(cub(be), "sync: %s", cudaGetErrorString(cudaGetLastError()));
+}
+
+df_status df_cuda_copy_bandwidth(size_t bytes, double *gbps, df_error *err) {
+    int st = dfk_copy_bandwidth(bytes, 20, gbps);
+    if (st) return df_error_set(err, DF_ERR_INTERNAL, "copy bandwidth: %s", cudaGetErrorString((cudaError_t)st));
+    return DF_OK;
+}
+
+df_status df_cuda_device_info(char *name, size_t name_len, size_t *total_bytes, df_error *err) {
+    struct cudaDeviceProp p;
+    cudaError_t ce = cudaGetDeviceProperties(&p, 0);
+    if (ce != cudaSuccess) return df_error_set(err, DF_ERR_UNSUPPORTED, "device info: %s", cudaGetErrorString(ce));
+    snprintf(name, name_len, "%s (%d SMs, sm_%d%d)", p.name, p.multiProcessorCount, p.major, p.minor);
+    *total_bytes = p.totalGlobalMem;
+    return DF_OK;
+}

@@ -1,0 +1,1344 @@
+/* CUDA kernels of the CUDA backend (interface and contracts: cuda_kernels.h).
+ *
+ * Exactness (ENGINEERING.md): every output element is computed by one thread (or one warp /
+ * block with a fixed-order tree), with an order that depends on reduction lengths and on
+ * constants fixed by the weight's shape, never on the number of rows M. The file is compiled
+ * with --fmad=false: a*b+c is a rounded multiply then a rounded add, as on the CPU; FMAs are
+ * never implied.
+ *
+ * The tensor-core linear: MODEL.md §2 asks for x' = Hn(signs ⊙ x) in float32 (the CPU backend
+ * keeps it float32). A float32 value is the exact sum of three bf16 values (hi = bf16(x),
+ * mid = bf16(x - hi), lo = bf16(x - hi - mid): 8 + 8 + 8 significand bits), and a 2/4-bit code
+ * plus a small offset is an exact bf16, so mma.m16n8k16 (bf16 in, f32 accumulate) multiplies
+ * the exact operands; the three partial sums are added in a fixed order. The B operand of
+ * one n-tile (8 columns) carries two rows (tokens) x three splits; rows and columns of an MMA
+ * never mix, so a token's result does not depend on the other tokens of the call.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "backend/cuda/cuda_kernels.h"
+
+#define FULL_MASK 0xffffffffu
+
+static __device__ __forceinline__ float h16_to_f32(uint32_t h, int bf16) {
+    if (bf16) return __uint_as_float((h & 0xffffu) << 16);
+    return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
+}
+
+static __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* Sum over the block (blockDim.x a power of two, <= 1024) in a fixed tree; every thread
+ * gets the total. red: blockDim.x floats of shared memory. */
+static __device__ float block_sum(float v, float *red) {
+    const int n = blockDim.x, tid = threadIdx.x;
+    red[tid] = v;
+    __syncthreads();
+    for (int s = n / 2; s > 0; s >>= 1) {
+        if (tid < s) red[tid] = red[tid] + red[tid + s];
+        __syncthreads();
+    }
+    float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+/* Sum over a warp by an xor butterfly: every lane computes the same additions (a + b and
+ * b + a are the same float), so all lanes hold the same bits. */
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(FULL_MASK, v, off);
+    return v;
+}
+
+static int launch_status(void) { return (int)cudaGetLastError(); }
+
+/* The stream every launcher uses (dfk_set_stream; 0 = the legacy default stream). */
+static cudaStream_t g_stream = 0;
+/* 1: use the shared-memory decode kernel k_lin_mma_dec for M <= 2 (DFLASH_CUDA_DEC=1). Off by
+ * default: on the H200 it measured slower than k_lin_mma (docs/PERFORMANCE.md). */
+static int g_use_dec = 0;
+extern "C" void dfk_set_use_dec(int v) { g_use_dec = v; }
+
+extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
+
+/* ---- Hadamard in shared memory --------------------------------------------------------- */
+
+/* In-place Sylvester Walsh–Hadamard butterflies on each hb-wide block of sm[0..n) (n a
+ * multiple of hb), in the order of df_hadamard_inplace, then the scale. */
+static __device__ void smem_hadamard(float *sm, int n, int hb, float hscale) {
+    for (int h = 1; h < hb; h <<= 1) {
+        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            int i = (p / h) * (2 * h) + (p % h);
+            float a = sm[i], b = sm[i + h];
+            sm[i] = a + b;
+            sm[i + h] = a - b;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sm[i] = sm[i] * hscale;
+    __syncthreads();
+}
+
+/* ---- bf16 splitting ----------------------------------------------------------------------- */
+
+static __device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 v) { return (uint32_t)__bfloat16_as_ushort(v); }
+
+/* Part s (0 = hi, 1 = mid, 2 = lo) of the exact three-way bf16 split of x. */
+static __device__ __forceinline__ uint32_t split_part(float x, int s) {
+    __nv_bfloat16 hi = __float2bfloat16_rn(x);
+    float r1 = x - __bfloat162float(hi);
+    __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+    float r2 = r1 - __bfloat162float(mid);
+    __nv_bfloat16 lo = __float2bfloat16_rn(r2);
+    return s == 0 ? bf16_bits(hi) : (s == 1 ? bf16_bits(mid) : bf16_bits(lo));
+}
+
+/* ---- prep ---------------------------------------------------------------------------------- */
+
+__global__ void k_prep(const float *__restrict__ x, int cols, const float *__restrict__ signs, int hb, float hscale,
+                       int gs, int seg, float *__restrict__ xf, float *__restrict__ xs, uint32_t *__restrict__ xb) {
+    extern __shared__ float sm[];
+    const int m = blockIdx.x, s0 = blockIdx.y * seg;
+    const float *xr = x + (size_t)m * (size_t)cols + s0;
+    for (int i = threadIdx.x; i < seg; i += blockDim.x) {
+        float v = xr[i];
+        if (hb > 0) v = v * signs[s0 + i];
+        sm[i] = v;
+    }
+    __syncthreads();
+    if (hb > 0) smem_hadamard(sm, seg, hb, hscale);
+    float *xo = xf + (size_t)m * (size_t)cols + s0;
+    for (int i = threadIdx.x; i < seg; i += blockDim.x) xo[i] = sm[i];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (gs > 0) {
+        const int ng = cols / gs;
+        for (int g = warp; g < seg / gs; g += nw) {
+            float acc = 0.0f;
+            for (int i = lane; i < gs; i += 32) acc = acc + sm[g * gs + i];
+            acc = warp_sum(acc);
+            if (lane == 0) xs[(size_t)m * (size_t)ng + (size_t)(s0 / gs + g)] = acc;
+        }
+    }
+    if (xb) {
+        /* B fragments of this row: n-tile m/2, lanes g = 3*(m%2) + split, t = 0..3 */
+        const int kbt = cols / 16, kb0 = s0 / 16, nkb = seg / 16;
+        const int nt = m / 2, gbase = 3 * (m % 2);
+        uint2 *dst = (uint2 *)xb;
+        for (int it = threadIdx.x; it < nkb * 12; it += blockDim.x) {
+            int kb = it / 12, r = it % 12, s = r / 4, t = r % 4;
+            const float *v = sm + kb * 16;
+            uint2 o;
+            o.x = split_part(v[2 * t], s) | (split_part(v[2 * t + 1], s) << 16);
+            o.y = split_part(v[2 * t + 8], s) | (split_part(v[2 * t + 9], s) << 16);
+            int lane_o = (gbase + s) * 4 + t;
+            dst[((size_t)nt * (size_t)kbt + (size_t)(kb0 + kb)) * 32 + (size_t)lane_o] = o;
+        }
+    }
+}
+
+extern "C" int dfk_prep(const float *x, int M, int cols, const float *signs, int hb, float hscale, int gs, int seg,
+                        float *xf, float *xs, uint32_t *xb) {
+    dim3 grid((unsigned)M, (unsigned)(cols / seg));
+    k_prep<<<grid, 256, (size_t)seg * sizeof(float), g_stream>>>(x, cols, signs, hb, hscale, gs, seg, xf, xs, xb);
+    return launch_status();
+}
+
+/* ---- weight repacking ------------------------------------------------------------------------- */
+
+/* Code of (row, col) in an MLX row (bits in {2, 4, 8}: never straddles a word). */
+static __device__ __forceinline__ uint32_t raw_code(const uint32_t *raw, size_t wpr, int row, int col, int bits) {
+    size_t bit = (size_t)col * (size_t)bits;
+    uint32_t w = raw[(size_t)row * wpr + bit / 32];
+    return (w >> (bit % 32)) & ((1u << bits) - 1u);
+}
+
+/* Fragment coordinates: register j (0..3) of mma A for lane (g, t), half h (0 low, 1 high):
+ * row g + 8*(j & 1), column 2t + 8*((j >> 1) & 1) + h within the 16-column block. */
+static __device__ __forceinline__ int frag_row(int g, int j) { return g + 8 * (j & 1); }
+static __device__ __forceinline__ int frag_col(int t, int j, int h) { return 2 * t + 8 * ((j >> 1) & 1) + h; }
+
+/* One thread per output word. Word w of lane (g, t) for (tile, group) holds registers
+ * r = w*RPW .. (RPW = 16/bits registers per word; register r = 4*kb + j): the low-half code
+ * of register r at bit (r % RPW)*bits, the high-half code at 16 + that. */
+__global__ void k_repack_quant(const uint32_t *__restrict__ raw, const uint16_t *__restrict__ scales,
+                               const uint16_t *__restrict__ biases, int rows, int cols, int bits, int gs, int tiles,
+                               uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
+    const int ng = cols / gs, wpl = bits * gs / 64, vec = wpl < 4 ? wpl : 4, rpw = 16 / bits;
+    const size_t nwords = (size_t)tiles * (size_t)ng * 32 * (size_t)wpl;
+    const size_t wpr = (size_t)cols * (size_t)bits / 32;
+    size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < nwords) {
+        /* idx = (((tile*ng + group)*nvec + v)*32 + lane)*vec + e */
+        size_t r = idx;
+        int e = (int)(r % (size_t)vec);
+        r /= (size_t)vec;
+        int lane = (int)(r % 32);
+        r /= 32;
+        int nvec = wpl / vec;
+        int v = (int)(r % (size_t)nvec);
+        r /= (size_t)nvec;
+        int group = (int)(r % (size_t)ng);
+        int tile = (int)(r / (size_t)ng);
+        int w = v * vec + e;
+        int g = lane >> 2, t = lane & 3;
+        uint32_t out = 0;
+        for (int q = 0; q < rpw; q++) {
+            int reg = w * rpw + q, kb = reg / 4, j = reg % 4;
+            int row = tile * 16 + frag_row(g, j);
+            if (row >= rows) continue;
+            for (int h = 0; h < 2; h++) {
+                int col = group * gs + kb * 16 + frag_col(t, j, h);
+                uint32_t c = raw_code(raw, wpr, row, col, bits);
+                out |= c << (16 * h + q * bits);
+            }
+        }
+        codes[idx] = out;
+    }
+    const size_t nsb = (size_t)tiles * (size_t)ng * 16;
+    if (idx < nsb) {
+        /* idx = ((tile*ng + group)*8 + g)*2 + half */
+        int half = (int)(idx % 2);
+        int g = (int)((idx / 2) % 8);
+        size_t tg = idx / 16;
+        int group = (int)(tg % (size_t)ng);
+        int tile = (int)(tg / (size_t)ng);
+        int row = tile * 16 + g + 8 * half;
+        uint32_t o = 0;
+        if (row < rows) {
+            size_t k = (size_t)row * (size_t)ng + (size_t)group;
+            o = (uint32_t)scales[k] | ((uint32_t)biases[k] << 16);
+        }
+        sb[idx] = o;
+    }
+}
+
+extern "C" int dfk_repack_quant(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows,
+                                int cols, int bits, int gs, uint32_t *codes, uint32_t *sb) {
+    const int tiles = (rows + 15) / 16, ng = cols / gs;
+    size_t nwords = (size_t)tiles * (size_t)ng * 32 * (size_t)(bits * gs / 64);
+    size_t nsb = (size_t)tiles * (size_t)ng * 16;
+    size_t n = nwords > nsb ? nwords : nsb;
+    unsigned blocks = (unsigned)((n + 255) / 256);
+    k_repack_quant<<<blocks, 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, codes, sb);
+    return launch_status();
+}
+
+/* Dense bf16: word w = 4*kb_in_group + j of lane (g, t) (groups of 64 columns, vec 4) holds
+ * register j of k-block kb: (W[row][c], W[row][c+1]). */
+__global__ void k_repack_bf16(const uint16_t *__restrict__ raw, int rows, int cols, int tiles,
+                              uint32_t *__restrict__ out) {
+    const int ng = cols / 64;
+    const size_t n = (size_t)tiles * (size_t)ng * 32 * 16;
+    size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    size_t r = idx;
+    int j = (int)(r % 4);
+    r /= 4;
+    int lane = (int)(r % 32);
+    r /= 32;
+    int kbl = (int)(r % 4);
+    r /= 4;
+    int group = (int)(r % (size_t)ng);
+    int tile = (int)(r / (size_t)ng);
+    int g = lane >> 2, t = lane & 3;
+    int row = tile * 16 + frag_row(g, j);
+    uint32_t o = 0;
+    if (row < rows) {
+        int col = group * 64 + kbl * 16 + frag_col(t, j, 0);
+        const uint16_t *p = raw + (size_t)row * (size_t)cols + (size_t)col;
+        o = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+    }
+    out[idx] = o;
+}
+
+extern "C" int dfk_repack_bf16(const uint16_t *raw, int rows, int cols, uint32_t *out) {
+    const int tiles = (rows + 15) / 16;
+    size_t n = (size_t)tiles * (size_t)(cols / 64) * 32 * 16;
+    k_repack_bf16<<<(unsigned)((n + 255) / 256), 256>>>(raw, rows, cols, tiles, out);
+    return launch_status();
+}
+
+/* ---- tensor-core linear ------------------------------------------------------------------------ */
+
+static __device__ __forceinline__ void mma_bf16(float *d, const uint32_t *a, const uint32_t *b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* A fragment register r (= 4*kb + j) from the lane's words. 2- and 4-bit codes are moved to
+ * the top of a bf16 mantissa under exponent `bits`: the register holds (2^bits + c_lo,
+ * 2^bits + c_hi) exactly; the offset 2^bits is removed in the epilogue through the group sum.
+ * 8-bit codes are converted through float (no offset). */
+template <int MODE>
+static __device__ __forceinline__ uint32_t a_reg(const uint32_t *wr, int r) {
+    if (MODE == DFK_MMA_BF16) return wr[r];
+    constexpr int RPW = 16 / MODE;
+    const uint32_t w = wr[r / RPW];
+    const int p = (r % RPW) * MODE;
+    if (MODE == 8) {
+        uint32_t lo = (w >> p) & 0xffu, hi = (w >> (16 + p)) & 0xffu;
+        __nv_bfloat162 v = __floats2bfloat162_rn((float)lo, (float)hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    }
+    constexpr int TP = MODE < 7 ? 7 - MODE : 0; /* target bit of the code inside the 7-bit mantissa */
+    constexpr uint32_t MASK = ((1u << MODE) - 1u) << TP;
+    constexpr uint32_t MAGIC = MODE == 2 ? 0x40804080u : 0x41804180u; /* bf16 4.0 | 16.0, twice */
+    uint32_t s = p >= TP ? (w >> (p - TP)) : (w << (TP - p));
+    return (s & (MASK | (MASK << 16))) | MAGIC;
+}
+
+/* Compile-time shape of one k_lin_mma instance: TR tiles per warp, NT n-tiles (2 tokens each);
+ * GP groups' codes are loaded at once (all loads of a warp in flight together), KC k-blocks of
+ * B fragments at once. */
+template <int MODE, int GS, int NT, int TR>
+struct lin_cfg {
+    static constexpr int KBG = GS / 16;
+    static constexpr int WPL = MODE == DFK_MMA_BF16 ? KBG * 4 : MODE * GS / 64;
+    static constexpr int VEC = WPL < 4 ? WPL : 4;
+    static constexpr int NVEC = WPL / VEC;
+    static constexpr int GP0 = 32 / (TR * WPL * (NT > 4 ? NT : (NT > 2 ? NT / 2 : 1)));
+    static constexpr int GP = GP0 < 1 ? 1 : (GP0 > 8 ? 8 : GP0);
+    static constexpr int KC0 = NT >= 4 ? 1 : 8 / NT;
+    static constexpr int KC = KC0 < KBG ? (KC0 < 1 ? 1 : KC0) : KBG;
+};
+
+template <int VEC>
+static __device__ __forceinline__ void load_words(const uint32_t *p, uint32_t *w) {
+    if (VEC == 4) {
+        uint4 q = __ldcs(reinterpret_cast<const uint4 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+        w[VEC > 2 ? 2 : 0] = q.z;
+        w[VEC > 3 ? 3 : 0] = q.w;
+    } else if (VEC == 2) {
+        uint2 q = __ldcs(reinterpret_cast<const uint2 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+    } else {
+        w[0] = __ldcs(p);
+    }
+}
+
+/* One CTA = 8 warps = RW row-warps x KW K-slices; warp (rw, kw) handles TR tiles and the groups
+ * g = kw, kw + KW, ... in order; the KW partial sums are added in order kw = 0..KW-1. KW is a
+ * function of the weight's shape (cuda_backend.c), TR and the grid only distribute work. */
+template <int MODE, int GS, int NT, int TR>
+__global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__ codes, const uint32_t *__restrict__ sb,
+                                                 int sb_bf16, int rows, int tiles, int ng, int kbt,
+                                                 const uint2 *__restrict__ xb, const float *__restrict__ xs, int M,
+                                                 int KW, float *__restrict__ y) {
+    typedef lin_cfg<MODE, GS, NT, TR> C;
+    constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP, KC = C::KC;
+    __shared__ float red[8][TR * NT * 2][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kw = warp % KW, rw = warp / KW, RW = 8 / KW;
+    const int tile0 = (blockIdx.x * RW + rw) * TR;
+    const float off = MODE == DFK_MMA_Q2 ? 4.0f : (MODE == DFK_MMA_Q4 ? 16.0f : 0.0f);
+    bool tvalid[TR];
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++) tvalid[tr] = tile0 + tr < tiles;
+
+    float yv[TR][NT][2];
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) yv[tr][nt][0] = yv[tr][nt][1] = 0.0f;
+
+    for (int gbase = kw; gbase < ng; gbase += KW * GP) {
+        /* every code load of the next GP groups first */
+        uint32_t wr[GP][TR][WPL];
+        uint32_t sbv[GP][TR][2];
+#pragma unroll
+        for (int gi = 0; gi < GP; gi++) {
+            const int grp = gbase + gi * KW;
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++) {
+                if (grp < ng && tvalid[tr]) {
+                    const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+                    const uint32_t *base = codes + tg * (size_t)(WPL * 32);
+#pragma unroll
+                    for (int v = 0; v < NVEC; v++)
+                        load_words<VEC>(base + ((size_t)v * 32 + (size_t)lane) * VEC, &wr[gi][tr][v * VEC]);
+                    if (MODE != DFK_MMA_BF16) {
+                        uint2 s2 = __ldg(reinterpret_cast<const uint2 *>(sb + (tg * 8 + (size_t)g) * 2));
+                        sbv[gi][tr][0] = s2.x;
+                        sbv[gi][tr][1] = s2.y;
+                    } else {
+                        sbv[gi][tr][0] = sbv[gi][tr][1] = 0;
+                    }
+                } else {
+#pragma unroll
+                    for (int w = 0; w < WPL; w++) wr[gi][tr][w] = 0;
+                    sbv[gi][tr][0] = sbv[gi][tr][1] = 0;
+                }
+            }
+        }
+#pragma unroll
+        for (int gi = 0; gi < GP; gi++) {
+            const int grp = gbase + gi * KW;
+            if (grp >= ng) break;
+            float D[TR][NT][4];
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) D[tr][nt][0] = D[tr][nt][1] = D[tr][nt][2] = D[tr][nt][3] = 0.0f;
+#pragma unroll
+            for (int kb0 = 0; kb0 < KBG; kb0 += KC) {
+                uint32_t bf[KC][NT][2];
+#pragma unroll
+                for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const int tok = 2 * nt + g / 3;
+                        if (g < 6 && tok < M) {
+                            uint2 v = __ldg(&xb[((size_t)nt * (size_t)kbt + (size_t)(grp * KBG + kb0 + kc)) * 32 +
+                                                (size_t)lane]);
+                            bf[kc][nt][0] = v.x;
+                            bf[kc][nt][1] = v.y;
+                        } else {
+                            bf[kc][nt][0] = bf[kc][nt][1] = 0;
+                        }
+                    }
+#pragma unroll
+                for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+                    for (int tr = 0; tr < TR; tr++) {
+                        uint32_t a[4];
+#pragma unroll
+                        for (int j = 0; j < 4; j++) a[j] = a_reg<MODE>(wr[gi][tr], 4 * (kb0 + kc) + j);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) mma_bf16(D[tr][nt], a, bf[kc][nt]);
+                    }
+            }
+            /* epilogue: token 2nt = columns 0,1,2 (lanes t = 0, 1), token 2nt+1 = columns 3,4,5
+             * (lanes t = 1, 2); both summed as (hi + mid) + lo, owned by lanes t = 0 and t = 1 */
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const float *d = D[tr][nt];
+                    float v0 = __shfl_down_sync(FULL_MASK, d[0], 1), v1 = __shfl_down_sync(FULL_MASK, d[1], 1);
+                    float v2 = __shfl_down_sync(FULL_MASK, d[2], 1), v3 = __shfl_down_sync(FULL_MASK, d[3], 1);
+                    float dg, dg8;
+                    if (t == 0) {
+                        dg = (d[0] + d[1]) + v0;
+                        dg8 = (d[2] + d[3]) + v2;
+                    } else {
+                        dg = (d[1] + v0) + v1;
+                        dg8 = (d[3] + v2) + v3;
+                    }
+                    if (MODE == DFK_MMA_BF16) {
+                        yv[tr][nt][0] = yv[tr][nt][0] + dg;
+                        yv[tr][nt][1] = yv[tr][nt][1] + dg8;
+                    } else {
+                        const int tok = 2 * nt + t;
+                        float xsum = 0.0f;
+                        if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
+                        float s0 = h16_to_f32(sbv[gi][tr][0], sb_bf16), b0 = h16_to_f32(sbv[gi][tr][0] >> 16, sb_bf16);
+                        float s1 = h16_to_f32(sbv[gi][tr][1], sb_bf16), b1 = h16_to_f32(sbv[gi][tr][1] >> 16, sb_bf16);
+                        float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
+                        yv[tr][nt][0] = yv[tr][nt][0] + (s0 * dg + bb0 * xsum);
+                        yv[tr][nt][1] = yv[tr][nt][1] + (s1 * dg8 + bb1 * xsum);
+                    }
+                }
+            }
+        }
+    }
+    /* K-slices: warp (rw, kw) partials summed in order kw = 0..KW-1 by warp (rw, 0) */
+    if (KW > 1) {
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
+                red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
+            }
+        __syncthreads();
+        if (kw != 0) return;
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
+                for (int k = 1; k < KW; k++) {
+                    a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
+                    a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
+                }
+                yv[tr][nt][0] = a0;
+                yv[tr][nt][1] = a1;
+            }
+    }
+    if (t >= 2) return;
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++) {
+        const int tile = tile0 + tr;
+        if (!tvalid[tr]) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int tok = 2 * nt + t;
+            if (tok >= M) continue;
+            const int r0 = tile * 16 + g, r1 = r0 + 8;
+            if (r0 < rows) y[(size_t)tok * (size_t)rows + (size_t)r0] = yv[tr][nt][0];
+            if (r1 < rows) y[(size_t)tok * (size_t)rows + (size_t)r1] = yv[tr][nt][1];
+        }
+    }
+}
+
+/* The decode path (NT == 1: one or two tokens): a persistent grid of about two blocks per SM;
+ * each block first copies the B fragments of the whole K range (the 24 lanes that carry data,
+ * 192 bytes per 16 columns) into shared memory, then walks its tiles (tile = block, block +
+ * grid, ...). Per tile the arithmetic is exactly k_lin_mma's with TR = 1 (same K-slices, same
+ * group order, same MMA sequence, same epilogue, same K-slice sum), so its bits equal the
+ * general kernel's for every row. */
+template <int MODE, int GS>
+__global__ void __launch_bounds__(256, 1) k_lin_mma_dec(const uint32_t *__restrict__ codes,
+                                                     const uint32_t *__restrict__ sb, int sb_bf16, int rows, int tiles,
+                                                     int ng, int kbt, const uint2 *__restrict__ xb,
+                                                     const float *__restrict__ xs, int M, int KW,
+                                                     float *__restrict__ y) {
+    typedef lin_cfg<MODE, GS, 1, 1> C;
+    constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP;
+    extern __shared__ uint2 sxb[]; /* [kbt][24] */
+    __shared__ float red[8][2][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kw = warp % KW, rw = warp / KW, RW = 8 / KW;
+    const float off = MODE == DFK_MMA_Q2 ? 4.0f : (MODE == DFK_MMA_Q4 ? 16.0f : 0.0f);
+    for (int i = threadIdx.x; i < kbt * 24; i += blockDim.x) {
+        const int kb = i / 24, l = i % 24, tok = l / 12;
+        uint2 v = make_uint2(0u, 0u);
+        if (tok < M) v = __ldg(&xb[(size_t)kb * 32 + (size_t)l]);
+        sxb[i] = v;
+    }
+    __syncthreads();
+    const bool bvalid = g < 6 && g / 3 < M;
+    for (int tbase = blockIdx.x * RW; tbase < tiles; tbase += gridDim.x * RW) {
+        const int tile = tbase + rw;
+        const bool tv = tile < tiles;
+        float yv0 = 0.0f, yv1 = 0.0f;
+        for (int gbase = kw; gbase < ng; gbase += KW * GP) {
+            uint32_t wr[GP][WPL];
+            uint32_t sbv[GP][2];
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                if (grp < ng && tv) {
+                    const size_t tg = (size_t)tile * (size_t)ng + (size_t)grp;
+                    const uint32_t *base = codes + tg * (size_t)(WPL * 32);
+#pragma unroll
+                    for (int v = 0; v < NVEC; v++)
+                        load_words<VEC>(base + ((size_t)v * 32 + (size_t)lane) * VEC, &wr[gi][v * VEC]);
+                    if (MODE != DFK_MMA_BF16) {
+                        uint2 s2 = __ldg(reinterpret_cast<const uint2 *>(sb + (tg * 8 + (size_t)g) * 2));
+                        sbv[gi][0] = s2.x;
+                        sbv[gi][1] = s2.y;
+                    } else {
+                        sbv[gi][0] = sbv[gi][1] = 0;
+                    }
+                } else {
+#pragma unroll
+                    for (int w = 0; w < WPL; w++) wr[gi][w] = 0;
+                    sbv[gi][0] = sbv[gi][1] = 0;
+                }
+            }
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                if (grp >= ng) break;
+                float D[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int kb = 0; kb < KBG; kb++) {
+                    uint32_t bf[2] = {0u, 0u};
+                    if (bvalid) {
+                        uint2 v = sxb[(grp * KBG + kb) * 24 + g * 4 + t];
+                        bf[0] = v.x;
+                        bf[1] = v.y;
+                    }
+                    uint32_t a[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) a[j] = a_reg<MODE>(wr[gi], 4 * kb + j);
+                    mma_bf16(D, a, bf);
+                }
+                float v0 = __shfl_down_sync(FULL_MASK, D[0], 1), v1 = __shfl_down_sync(FULL_MASK, D[1], 1);
+                float v2 = __shfl_down_sync(FULL_MASK, D[2], 1), v3 = __shfl_down_sync(FULL_MASK, D[3], 1);
+                float dg, dg8;
+                if (t == 0) {
+                    dg = (D[0] + D[1]) + v0;
+                    dg8 = (D[2] + D[3]) + v2;
+                } else {
+                    dg = (D[1] + v0) + v1;
+                    dg8 = (D[3] + v2) + v3;
+                }
+                if (MODE == DFK_MMA_BF16) {
+                    yv0 = yv0 + dg;
+                    yv1 = yv1 + dg8;
+                } else {
+                    const int tok = t;
+                    float xsum = 0.0f;
+                    if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
+                    float s0 = h16_to_f32(sbv[gi][0], sb_bf16), b0 = h16_to_f32(sbv[gi][0] >> 16, sb_bf16);
+                    float s1 = h16_to_f32(sbv[gi][1], sb_bf16), b1 = h16_to_f32(sbv[gi][1] >> 16, sb_bf16);
+                    float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
+                    yv0 = yv0 + (s0 * dg + bb0 * xsum);
+                    yv1 = yv1 + (s1 * dg8 + bb1 * xsum);
+                }
+            }
+        }
+        if (KW > 1) {
+            red[warp][0][lane] = yv0;
+            red[warp][1][lane] = yv1;
+            __syncthreads();
+            if (kw == 0) {
+                float a0 = red[warp][0][lane], a1 = red[warp][1][lane];
+                for (int k = 1; k < KW; k++) {
+                    a0 = a0 + red[warp + k][0][lane];
+                    a1 = a1 + red[warp + k][1][lane];
+                }
+                yv0 = a0;
+                yv1 = a1;
+            }
+            __syncthreads();
+        }
+        if (kw == 0 && t < 2 && tv && t < M) {
+            const int r0 = tile * 16 + g, r1 = r0 + 8;
+            if (r0 < rows) y[(size_t)t * (size_t)rows + (size_t)r0] = yv0;
+            if (r1 < rows) y[(size_t)t * (size_t)rows + (size_t)r1] = yv1;
+        }
+    }
+}
+
+static int g_sms = 132;
+extern "C" void dfk_set_sm_count(int n) { g_sms = n > 0 ? n : 132; }
+
+/* Launches the decode kernel when it applies (NT == 1 and the fragments fit in shared memory);
+ * returns 1 if launched (status in *st). */
+template <int MODE, int GS>
+static int launch_lin_dec(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                          const uint32_t *xb, const float *xs, int M, int KW, float *y, int *st) {
+    const int kbt = cols / 16, tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
+    const size_t smem = (size_t)kbt * 24 * sizeof(uint2);
+    if (M > 2 || smem > 200 * 1024) return 0;
+    static size_t smem_set = 0;
+    if (smem > 48 * 1024 && smem > smem_set) {
+        cudaFuncSetAttribute(k_lin_mma_dec<MODE, GS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(200 * 1024));
+        smem_set = 200 * 1024;
+    }
+    const int per_sm = smem <= 100 * 1024 ? 2 : 1;
+    int blocks = g_sms * per_sm;
+    const int sets = (tiles + RW - 1) / RW;
+    if (blocks > sets) blocks = sets;
+    k_lin_mma_dec<MODE, GS><<<(unsigned)blocks, 256, smem, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, kbt,
+                                                                       reinterpret_cast<const uint2 *>(xb), xs, M, KW,
+                                                                       y);
+    *st = launch_status();
+    return 1;
+}
+
+template <int MODE, int GS, int NT, int TR>
+static int launch_lin(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols, const uint32_t *xb,
+                      const float *xs, int M, int KW, float *y) {
+    const int tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
+    const int per_block = RW * TR;
+    const unsigned blocks = (unsigned)((tiles + per_block - 1) / per_block);
+    k_lin_mma<MODE, GS, NT, TR><<<blocks, 256, 0, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
+                                                              reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
+    return launch_status();
+}
+
+/* TR choices per (mode, NT): the heavy formats (2-bit group 128, bf16) get 1, 2, 4, 8 tiles
+ * per warp (as registers allow), the others 1. */
+template <int MODE, int GS, int NT>
+static int launch_lin_tr(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                         const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    constexpr bool q2 = MODE == DFK_MMA_Q2 && GS == 128, bf = MODE == DFK_MMA_BF16;
+    if constexpr (q2 && NT == 1) {
+        if (TR >= 8) return launch_lin<MODE, GS, NT, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    if constexpr ((q2 || bf) && NT == 1) {
+        if (TR >= 4) return launch_lin<MODE, GS, NT, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    if constexpr ((q2 || bf) && NT <= 2) {
+        if (TR >= 2) return launch_lin<MODE, GS, NT, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    }
+    return launch_lin<MODE, GS, NT, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+}
+
+/* NT = ceil(M/2) n-tiles: exact for the heavy formats (2-bit group 128, bf16), else rounded up
+ * to a power of two (fewer instances). Padded n-tiles carry zero columns; a token's result
+ * never depends on NT (columns of an MMA are independent). */
+template <int MODE, int GS>
+static int launch_lin_nt(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                         const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    constexpr bool heavy = (MODE == DFK_MMA_Q2 && GS == 128) || MODE == DFK_MMA_BF16;
+    const int pairs = (M + 1) / 2;
+    int st = 0;
+    if (pairs <= 1 && g_use_dec && launch_lin_dec<MODE, GS>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y, &st)) return st;
+    if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if constexpr (heavy) {
+        if (pairs == 3) return launch_lin_tr<MODE, GS, 3>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    }
+    if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if constexpr (heavy) {
+        if (pairs == 5) return launch_lin_tr<MODE, GS, 5>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 6) return launch_lin_tr<MODE, GS, 6>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 7) return launch_lin_tr<MODE, GS, 7>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    }
+    return launch_lin_tr<MODE, GS, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+}
+
+static int nt_of(int M) {
+    const int pairs = (M + 1) / 2;
+    return pairs <= 1 ? 1 : (pairs <= 2 ? 2 : (pairs <= 4 ? 4 : 8));
+}
+
+extern "C" int dfk_linear_mma_max_tr(int mode, int gs, int M) {
+    const int nt = nt_of(M);
+    const int q2 = mode == DFK_MMA_Q2 && gs == 128, bf = mode == DFK_MMA_BF16;
+    if (!q2 && !bf) return 1;
+    return nt <= 1 ? (q2 ? 8 : 4) : (nt <= 2 ? 2 : 1);
+}
+
+extern "C" int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows,
+                              int cols, const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    if (M < 1 || M > DFK_MAX_ROWS || (KW != 1 && KW != 2 && KW != 4 && KW != 8) || TR < 1)
+        return (int)cudaErrorInvalidValue;
+    switch (mode) {
+    case DFK_MMA_Q2:
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q2, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
+                         : launch_lin_nt<DFK_MMA_Q2, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    case DFK_MMA_Q4:
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q4, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
+                         : launch_lin_nt<DFK_MMA_Q4, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    case DFK_MMA_Q8:
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q8, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
+                         : launch_lin_nt<DFK_MMA_Q8, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    case DFK_MMA_BF16:
+        return launch_lin_nt<DFK_MMA_BF16, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    default:
+        return (int)cudaErrorInvalidValue;
+    }
+}
+
+/* ---- CUDA-core linear (any format) ------------------------------------------------------------ */
+
+static __device__ __forceinline__ float dense_at(const void *w, int wdtype, size_t i) {
+    if (wdtype == 2) return ((const float *)w)[i];
+    uint16_t h = ((const uint16_t *)w)[i];
+    return h16_to_f32(h, wdtype == 1);
+}
+
+/* One block (256 threads) per output row: thread i takes columns i, i + 256, ... in order (four
+ * loads in flight), then a fixed tree over the block per token row. */
+__global__ void __launch_bounds__(256) k_lin_simple(const void *__restrict__ w, int wdtype,
+                                                    const uint16_t *__restrict__ scales,
+                                                    const uint16_t *__restrict__ biases, int sb_bf16, int bits,
+                                                    int gs, int rows, int cols, const float *__restrict__ xf, int M,
+                                                    float *__restrict__ y) {
+    __shared__ float red[DFK_MAX_ROWS][256];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    float acc[DFK_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
+    const size_t wpr = bits > 0 ? (size_t)cols * (size_t)bits / 32 : 0;
+    const int ng = bits > 0 ? cols / gs : 0;
+    const uint32_t *qrow = bits > 0 ? (const uint32_t *)w + (size_t)row * wpr : NULL;
+#pragma unroll 4
+    for (int c = tid; c < cols; c += 256) {
+        float wv;
+        if (bits > 0) {
+            size_t bit = (size_t)c * (size_t)bits;
+            size_t wi = bit / 32;
+            unsigned sh = (unsigned)(bit % 32);
+            uint32_t v = qrow[wi] >> sh;
+            if (sh + (unsigned)bits > 32) v |= qrow[wi + 1] << (32 - sh);
+            v &= (1u << bits) - 1u;
+            size_t k = (size_t)row * (size_t)ng + (size_t)(c / gs);
+            float s = h16_to_f32(scales[k], sb_bf16), b = h16_to_f32(biases[k], sb_bf16);
+            wv = s * (float)v + b;
+        } else {
+            wv = dense_at(w, wdtype, (size_t)row * (size_t)cols + (size_t)c);
+        }
+#pragma unroll
+        for (int m = 0; m < DFK_MAX_ROWS; m++)
+            if (m < M) acc[m] = acc[m] + wv * xf[(size_t)m * (size_t)cols + (size_t)c];
+    }
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++)
+        if (m < M) red[m][tid] = acc[m];
+    __syncthreads();
+    for (int s2 = 128; s2 > 0; s2 >>= 1) {
+        if (tid < s2)
+            for (int m = 0; m < M; m++) red[m][tid] = red[m][tid] + red[m][tid + s2];
+        __syncthreads();
+    }
+    if (tid < M) y[(size_t)tid * (size_t)rows + (size_t)row] = red[tid][0];
+}
+
+extern "C" int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const uint16_t *biases,
+                                 int sb_bf16, int bits, int gs, int rows, int cols, const float *xf, int M, float *y) {
+    k_lin_simple<<<(unsigned)rows, 256, 0, g_stream>>>(w, wdtype, scales, biases, sb_bf16, bits, gs, rows, cols, xf,
+                                                       M, y);
+    return launch_status();
+}
+
+/* ---- embedding --------------------------------------------------------------------------------- */
+
+__global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__restrict__ scales,
+                        const uint16_t *__restrict__ biases, int sb_bf16, int bits, int gs, const void *dense,
+                        int wdtype, int rows, int cols, const float *__restrict__ signs, int hb, float hscale,
+                        const int32_t *__restrict__ ids, float *__restrict__ out) {
+    extern __shared__ float sm[];
+    const int m = blockIdx.x, id = ids[m];
+    float *o = out + (size_t)m * (size_t)cols;
+    if (id < 0 || id >= rows) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = 0.0f;
+        return;
+    }
+    if (bits > 0) {
+        const size_t wpr = (size_t)cols * (size_t)bits / 32;
+        const int ng = cols / gs;
+        const uint32_t *row = codes + (size_t)id * wpr;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            size_t bit = (size_t)i * (size_t)bits;
+            size_t wi = bit / 32;
+            unsigned sh = (unsigned)(bit % 32);
+            uint32_t v = row[wi] >> sh;
+            if (sh + (unsigned)bits > 32) v |= row[wi + 1] << (32 - sh);
+            v &= (1u << bits) - 1u;
+            size_t k = (size_t)id * (size_t)ng + (size_t)(i / gs);
+            float s = h16_to_f32(scales[k], sb_bf16), b = h16_to_f32(biases[k], sb_bf16);
+            sm[i] = __half2float(__float2half_rn(s * (float)v + b));
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x)
+            sm[i] = dense_at(dense, wdtype, (size_t)id * (size_t)cols + (size_t)i);
+    }
+    __syncthreads();
+    if (hb > 0) {
+        smem_hadamard(sm, cols, hb, hscale);
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) sm[i] = __half2float(__float2half_rn(sm[i] * signs[i]));
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = sm[i];
+}
+
+extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits,
+                         int gs, const void *dense, int wdtype, int rows, int cols, const float *signs, int hb,
+                         float hscale, const int32_t *ids, int M, float *out) {
+    k_embed<<<(unsigned)M, 256, (size_t)cols * sizeof(float), g_stream>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
+                                                                wdtype, rows, cols, signs, hb, hscale, ids, out);
+    return launch_status();
+}
+
+/* ---- norms and elementwise ------------------------------------------------------------------- */
+
+__global__ void k_rmsnorm(const float *x, const float *w, int width, float eps, float *y) {
+    __shared__ float red[256];
+    const float *xr = x + (size_t)blockIdx.x * (size_t)width;
+    float *yr = y + (size_t)blockIdx.x * (size_t)width;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) acc = acc + xr[i] * xr[i];
+    float ms = block_sum(acc, red) / (float)width;
+    float inv = 1.0f / sqrtf(ms + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) yr[i] = w ? (xr[i] * inv) * w[i] : xr[i] * inv;
+}
+
+extern "C" int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, float *y) {
+    k_rmsnorm<<<(unsigned)rows, 256, 0, g_stream>>>(x, w, width, eps, y);
+    return launch_status();
+}
+
+__global__ void k_add(float *y, const float *x, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = y[i] + x[i];
+}
+
+__global__ void k_swiglu(const float *gate, const float *up, size_t n, float *out) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = silu_f(gate[i]) * up[i];
+}
+
+static unsigned ew_blocks(size_t n) {
+    size_t b = (n + 255) / 256;
+    if (b > 4096) b = 4096;
+    return (unsigned)(b ? b : 1);
+}
+
+extern "C" int dfk_add(float *y, const float *x, size_t n) {
+    k_add<<<ew_blocks(n), 256, 0, g_stream>>>(y, x, n);
+    return launch_status();
+}
+
+extern "C" int dfk_swiglu(const float *gate, const float *up, size_t n, float *out) {
+    k_swiglu<<<ew_blocks(n), 256, 0, g_stream>>>(gate, up, n, out);
+    return launch_status();
+}
+
+/* ---- argmax ------------------------------------------------------------------------------------ */
+
+__global__ void k_argmax(const float *x, int width, int32_t *out) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    const float *xr = x + (size_t)blockIdx.x * (size_t)width;
+    const int tid = threadIdx.x;
+    float best = 0.0f;
+    int besti = -1;
+    for (int i = tid; i < width; i += blockDim.x) {
+        float v = xr[i];
+        if (besti < 0 || v > best) {
+            best = v;
+            besti = i;
+        }
+    }
+    bv[tid] = best;
+    bi[tid] = besti;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            float ov = bv[tid + s];
+            int oi = bi[tid + s];
+            int take = oi >= 0 && (bi[tid] < 0 || ov > bv[tid] || (ov == bv[tid] && oi < bi[tid]));
+            if (take) {
+                bv[tid] = ov;
+                bi[tid] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) out[blockIdx.x] = bi[0] < 0 ? 0 : bi[0];
+}
+
+extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
+    k_argmax<<<(unsigned)rows, 1024, 0, g_stream>>>(x, width, out);
+    return launch_status();
+}
+
+/* ---- attention ----------------------------------------------------------------------------- */
+
+__global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
+                          const float *q_norm, const float *k_norm, int rot, float theta, float eps,
+                          const int32_t *positions, float *k_cache, float *v_cache) {
+    const int pos0 = positions[DFK_MAX_ROWS];
+    __shared__ float sv[1024];
+    __shared__ float red[128];
+    const int m = blockIdx.x, h = blockIdx.y;
+    const int nq = q ? nh : 0;
+    float *vec;
+    const float *nw;
+    int kh = -1;
+    if (h < nq) {
+        vec = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride;
+        nw = q_norm;
+    } else {
+        kh = h - nq;
+        vec = k + ((size_t)m * (size_t)nkv + (size_t)kh) * (size_t)hd;
+        nw = k_norm;
+    }
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = vec[i];
+    __syncthreads();
+    if (nw) {
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) acc = acc + sv[i] * sv[i];
+        float ms = block_sum(acc, red) / (float)hd;
+        float inv = 1.0f / sqrtf(ms + eps);
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = (sv[i] * inv) * nw[i];
+        __syncthreads();
+    }
+    const int half = rot / 2;
+    const int32_t pos = positions[m];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot);
+        float f = (float)((double)pos * inv_freq);
+        float cs = cosf(f), sn = sinf(f);
+        float a = sv[i], b = sv[i + half];
+        sv[i] = a * cs - b * sn;
+        sv[i + half] = b * cs + a * sn;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) vec[i] = sv[i];
+    if (kh >= 0) {
+        size_t o = ((size_t)(pos0 + m) * (size_t)nkv + (size_t)kh) * (size_t)hd;
+        const float *vr = v + ((size_t)m * (size_t)nkv + (size_t)kh) * (size_t)hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            k_cache[o + i] = sv[i];
+            v_cache[o + i] = vr[i];
+        }
+    }
+}
+
+extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
+                           const float *q_norm, const float *k_norm, int rot, float theta, float eps,
+                           const int32_t *positions, int M, float *k_cache, float *v_cache) {
+    dim3 grid((unsigned)M, (unsigned)((q ? nh : 0) + nkv));
+    k_qk_prep<<<grid, 128, 0, g_stream>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions,
+                                          k_cache, v_cache);
+    return launch_status();
+}
+
+/* One block per (row m, chunk, kv head), handling the G = nh/nkv query heads of the group so
+ * that each K/V row of the chunk is read once per row m (blocks of the same chunk are adjacent
+ * in launch order and share it through L2). Per head: scores (a warp per position, four
+ * positions at a time: lanes over d in a fixed order + xor tree), chunk max and exp-sum (fixed
+ * trees), unnormalised output o[d] = Σ_t p_t v_t[d] in position order.
+ * part[m, h, c] = (o[0..hd), max, sum). */
+#define ATTN_MAX_G 16
+template <int GM>
+__global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
+                                                   const float *k_cache, const float *v_cache, float scale, int causal,
+                                                   const int32_t *pos0p, int M, int nchunk, float *part) {
+    const int pos0 = *pos0p;
+    __shared__ float sq[4096];
+    __shared__ float sc[GM][DFK_ATTN_CHUNK];
+    __shared__ float smx[GM], ssum[GM];
+    const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
+    const int len = causal ? pos0 + m + 1 : pos0 + M;
+    const int t0 = c * DFK_ATTN_CHUNK;
+    if (t0 >= len) return;
+    const int t1 = len < t0 + DFK_ATTN_CHUNK ? len : t0 + DFK_ATTN_CHUNK, n = t1 - t0;
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int gi = i / hd, d = i % hd;
+        sq[i] = q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d];
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const size_t kstride = (size_t)nkv * (size_t)hd;
+    const float *kbase = k_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
+    for (int tt0 = warp; tt0 < n; tt0 += nw * 4) {
+        float acc[4][GM];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
+#pragma unroll 2
+        for (int d = lane; d < hd; d += 32) {
+            float kv[4];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const int tt = tt0 + p * nw;
+                kv[p] = tt < n ? kbase[(size_t)tt * kstride + (size_t)d] : 0.0f;
+            }
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) break;
+                const float qd = sq[gi * hd + d];
+#pragma unroll
+                for (int p = 0; p < 4; p++) acc[p][gi] = acc[p][gi] + qd * kv[p];
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const int tt = tt0 + p * nw;
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) break;
+                float v = warp_sum(acc[p][gi]);
+                if (lane == 0 && tt < n) sc[gi][tt] = v * scale;
+            }
+        }
+    }
+    __syncthreads();
+    /* per head (a warp each): max and exp-sum over the chunk, lanes over positions in order, then
+     * xor trees */
+    for (int gi = warp; gi < G; gi += nw) {
+        float mx = -INFINITY;
+        for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sc[gi][tt]);
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+        float acc = 0.0f;
+        for (int tt = lane; tt < n; tt += 32) {
+            float p = expf(sc[gi][tt] - mx);
+            sc[gi][tt] = p;
+            acc = acc + p;
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            smx[gi] = mx;
+            ssum[gi] = acc;
+        }
+    }
+    __syncthreads();
+    const float *vbase = v_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o[GM];
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
+#pragma unroll 16
+        for (int tt = 0; tt < n; tt++) {
+            const float vv = vbase[(size_t)tt * kstride + (size_t)d];
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++)
+                if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
+        }
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++) {
+            if (gi >= G) break;
+            float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)nchunk + (size_t)c) *
+                                   (size_t)(hd + 2);
+            pr[d] = o[gi];
+        }
+    }
+    if ((int)threadIdx.x < G) {
+        float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + threadIdx.x)) * (size_t)nchunk + (size_t)c) *
+                               (size_t)(hd + 2);
+        pr[hd] = smx[threadIdx.x];
+        pr[hd + 1] = ssum[threadIdx.x];
+    }
+}
+
+/* One block per (head, row): chunks combined in order. */
+__global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal,
+                               const int32_t *pos0p, int M, int nchunk, const float *part, float *out) {
+    const int pos0 = *pos0p;
+    __shared__ float wsm[1024];
+    const int h = blockIdx.x, m = blockIdx.y;
+    const int len = causal ? pos0 + m + 1 : pos0 + M;
+    const int nc = (len + DFK_ATTN_CHUNK - 1) / DFK_ATTN_CHUNK;
+    const float *pr = part + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk * (size_t)(hd + 2);
+    float mx = -INFINITY;
+    for (int c = 0; c < nc; c++) mx = fmaxf(mx, pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]);
+    for (int c = threadIdx.x; c < nc && c < 1024; c += blockDim.x)
+        wsm[c] = expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
+    __syncthreads();
+    float l = 0.0f;
+    for (int c = 0; c < nc; c++) {
+        float w = c < 1024 ? wsm[c] : expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
+        l = l + w * pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd + 1];
+    }
+    const float inv = 1.0f / l;
+    const float *gate = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride + (size_t)hd;
+    float *o = out + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int c = 0; c < nc; c++) {
+            float w = c < 1024 ? wsm[c] : expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
+            acc = acc + w * pr[(size_t)c * (size_t)(hd + 2) + (size_t)d];
+        }
+        float r = acc * inv;
+        o[d] = gated ? r * sigmoid_f(gate[d]) : r;
+    }
+}
+
+extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
+                             const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part,
+                             float *out) {
+    const float scale = 1.0f / sqrtf((float)hd);
+    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
+    dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
+    const int G = nh / nkv;
+    if (G <= 2)
+        k_attn_part<2><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else if (G <= 4)
+        k_attn_part<4><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else if (G <= 8)
+        k_attn_part<8><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    else
+        k_attn_part<16><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+    int st = launch_status();
+    if (st) return st;
+    dim3 g2((unsigned)nh, (unsigned)M);
+    k_attn_combine<<<g2, 128, 0, g_stream>>>(q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
+    return launch_status();
+}
+
+/* ---- DFlash2 grouped dynamic convolution ---------------------------------------------------- */
+
+/* One thread per (row t, channel): the CPU's order (per tap o: base term, then dynamic term). */
+__global__ void k_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M,
+                           int H, float *out) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)M * (size_t)H) return;
+    const int t = (int)(i / (size_t)H), ch = (int)(i % (size_t)H), G = H / gs;
+    const float *d = dyn + (size_t)t * (size_t)dyn_stride;
+    float o = 0.0f;
+    for (int k = 0; k < K && k <= t; k++) {
+        const float xv = x[(size_t)(t - k) * (size_t)H + (size_t)ch];
+        o = o + base[(size_t)k * (size_t)H + (size_t)ch] * xv;
+        o = o + d[k * G + ch / gs] * xv;
+    }
+    out[i] = o;
+}
+
+extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M,
+                            int H, float *out) {
+    const size_t n = (size_t)M * (size_t)H;
+    k_dyn_conv<<<(unsigned)((n + 255) / 256), 256, 0, g_stream>>>(x, dyn, dyn_stride, base, K, gs, M, H, out);
+    return launch_status();
+}
+
+/* ---- Gated DeltaNet ------------------------------------------------------------------------------ */
+
+#define GDN_MAX_K 16
+
+__global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, float *state, float *out) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float win[GDN_MAX_K];
+    float wk[GDN_MAX_K];
+#pragma unroll
+    for (int j = 0; j < GDN_MAX_K; j++) {
+        win[j] = (j < K - 1) ? state[(size_t)j * (size_t)C + (size_t)ch] : 0.0f;
+        wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
+    }
+    for (int m = 0; m < M; m++) {
+        const float xin = qkv[(size_t)m * (size_t)C + (size_t)ch];
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < GDN_MAX_K; j++) {
+            if (j < K - 1) s = s + wk[j] * win[j];
+            else if (j == K - 1) s = s + wk[j] * xin;
+        }
+        out[(size_t)m * (size_t)C + (size_t)ch] = silu_f(s);
+#pragma unroll
+        for (int j = 0; j < GDN_MAX_K - 1; j++)
+            if (j < K - 1) win[j] = (j + 1 < K - 1) ? win[j + 1] : xin;
+    }
+#pragma unroll
+    for (int j = 0; j < GDN_MAX_K; j++)
+        if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
+}
+
+extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state,
+                            float *conv_out) {
+    if (K < 1 || K > GDN_MAX_K) return (int)cudaErrorInvalidValue;
+    k_gdn_conv<<<(unsigned)((C + 255) / 256), 256, 0, g_stream>>>(qkv, conv_w, C, K, M, conv_state, conv_out);
+    return launch_status();
+}
+
+static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* One block per value head j: 4 x dv threads; thread (grp, v) keeps S[grp*SPT .. +SPT)[v] in
+ * registers (SPT = dk/4). Per row, in order: decay, m = Sᵀk (4 partial sums added in order),
+ * d = (v - m)·β, S += k ⊗ d, o = Sᵀq (same), gated RMSNorm. */
+template <int SPT>
+__global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
+                          const float *dt_bias, const float *norm_w, int nk, int nv, int dv, float eps, int M,
+                          float *S, float *out) {
+    constexpr int DK = 4 * SPT;
+    extern __shared__ float gsm[];
+    float *qs = gsm;                 /* [DK] */
+    float *ks = qs + DK;             /* [DK] */
+    float *part = ks + DK;           /* [4][dv] */
+    float *red = part + 4 * dv;      /* [blockDim.x] */
+    const int j = blockIdx.x, kh = j / (nv / nk);
+    const int tid = threadIdx.x, v = tid % dv, grp = tid / dv;
+    const int Kd = nk * DK, Vd = nv * dv, C = 2 * Kd + Vd;
+    float *Sj = S + (size_t)j * (size_t)DK * (size_t)dv;
+    float s[SPT];
+#pragma unroll
+    for (int i = 0; i < SPT; i++) s[i] = Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v];
+    const float qscale = 1.0f / sqrtf((float)DK);
+    const float A = -expf(A_log[j]);
+    for (int m = 0; m < M; m++) {
+        const float *row = conv_out + (size_t)m * (size_t)C;
+        const float *qi = row + (size_t)kh * DK;
+        const float *ki = row + (size_t)Kd + (size_t)kh * DK;
+        const float *vi = row + 2 * (size_t)Kd + (size_t)j * (size_t)dv;
+        float qv = 0.0f, kv = 0.0f;
+        if (tid < DK) {
+            qv = qi[tid];
+            kv = ki[tid];
+        }
+        float qn = 1.0f / sqrtf(block_sum(qv * qv, red) + 1e-6f);
+        float kn = 1.0f / sqrtf(block_sum(kv * kv, red) + 1e-6f);
+        if (tid < DK) {
+            qs[tid] = (qv * qn) * qscale;
+            ks[tid] = kv * kn;
+        }
+        const float beta = sigmoid_f(b[(size_t)m * (size_t)nv + (size_t)j]);
+        const float gg = A * softplus_f(a[(size_t)m * (size_t)nv + (size_t)j] + dt_bias[j]);
+        const float decay = expf(gg);
+        __syncthreads();
+        float mp = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPT; i++) {
+            s[i] = s[i] * decay;
+            mp = mp + s[i] * ks[grp * SPT + i];
+        }
+        part[grp * dv + v] = mp;
+        __syncthreads();
+        const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
+        const float d = (vi[v] - mem) * beta;
+        __syncthreads();
+        float op = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPT; i++) {
+            s[i] = s[i] + ks[grp * SPT + i] * d;
+            op = op + s[i] * qs[grp * SPT + i];
+        }
+        part[grp * dv + v] = op;
+        __syncthreads();
+        const float o = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
+        if (out) {
+            float ss = block_sum(grp == 0 ? o * o : 0.0f, red);
+            float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+            if (grp == 0) {
+                const float zz = z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v];
+                out[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v] = (norm_w[v] * (o * inv)) * silu_f(zz);
+            }
+        } else {
+            __syncthreads(); /* part is rewritten by the next row */
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
+}
+
+extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b,
+                                  const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv,
+                                  int dk, int dv, float eps, int M, float *S, float *out) {
+    const int threads = 4 * dv;
+    if (dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads || nv % nk != 0) return -1;
+    const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
+    switch (dk) {
+    case 32:
+        k_gdn_rec<8><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+                                                      S, out);
+        break;
+    case 64:
+        k_gdn_rec<16><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+                                                       S, out);
+        break;
+    case 128:
+        k_gdn_rec<32><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
+                                                       S, out);
+        break;
+    default:
+        return -1;
+    }
+    return launch_status();
+}
+
+/* ---- copy bandwidth ------------------------------------------------------------------------- */
+
+extern "C" int dfk_copy_bandwidth(size_t bytes, int reps, double *gbps) {
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0, e1;
+    int st = (int)cudaMalloc(&a, bytes);
+    if (!st) st = (int)cudaMalloc(&b, bytes);
+    if (!st) st = (int)cudaMemset(a, 1, bytes);
+    if (!st) st = (int)cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+    if (!st) {
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < reps; i++) cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, 0);
+        cudaEventRecord(e1, 0);
+        st = (int)cudaEventSynchronize(e1);
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        *gbps = 2.0 * (double)bytes * (double)reps / ((double)ms * 1e-3) / 1e9;
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+    }
+    cudaFree(a);
+    cudaFree(b);
+    return st;
+}

@@ -1,0 +1,146 @@
+/* The CUDA kernels of the CUDA backend (cuda_kernels.cu) behind a plain C interface, so that
+ * the backend's bookkeeping (cuda_backend.c) stays C11.
+ *
+ * Every launcher enqueues its kernels on the legacy default stream and returns 0 or the CUDA
+ * error code of the launch (cudaGetLastError). Pointers are device pointers unless a parameter
+ * says "host". Arithmetic rules (ENGINEERING.md exactness): compiled with --fmad=false (no
+ * implicit FMA contraction), no fast-math; every reduction has a fixed order that depends only
+ * on its length; threads and blocks split output elements (or a K range fixed by the weight's
+ * shape), never a reduction in an M-dependent way; no atomics.
+ */
+#ifndef DFLASH_CUDA_KERNELS_H
+#define DFLASH_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DFK_MAX_ROWS 16
+
+/* Weight formats of the tensor-core linear (dfk_linear_mma). */
+enum { DFK_MMA_Q2 = 2, DFK_MMA_Q4 = 4, DFK_MMA_Q8 = 8, DFK_MMA_BF16 = 16 };
+
+/* Stream of every op launcher (a cudaStream_t; NULL = the legacy default stream). */
+void dfk_set_stream(void *stream);
+/* Multiprocessor count (sizes the persistent decode grid of dfk_linear_mma). */
+void dfk_set_sm_count(int n);
+/* 1: dfk_linear_mma uses its shared-memory decode kernel for M <= 2 (an experiment: slower on
+ * the H200 so far; same bits). */
+void dfk_set_use_dec(int v);
+
+/* ---- weights: device-side repacking (run once at upload) ------------------------------- */
+
+/* Repacks MLX affine codes (raw: uint32 [rows, cols*bits/32], scales/biases: 16-bit
+ * [rows, cols/gs]) into the tensor-core fragment layout of dfk_linear_mma: per 16-row tile and
+ * group, lane (g, t) of a warp holds the codes of rows g, g+8 at columns 2t, 2t+1, 2t+8, 2t+9
+ * of each 16-column block, b bits each, placed for a shift-and-mask conversion to bf16 (see
+ * cuda_kernels.cu); scales/biases become one uint32 (scale | bias << 16) per (tile, group,
+ * row), rows g and g+8 adjacent. Rows are padded to a multiple of 16 with zero codes/scales.
+ * bits in {2, 4, 8}, gs in {64, 128}. codes: uint32 [tiles*ng*32*bits*gs/64]; sb: uint32
+ * [tiles*ng*16]. */
+int dfk_repack_quant(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols,
+                     int bits, int gs, uint32_t *codes, uint32_t *sb);
+
+/* Repacks a dense bf16 matrix [rows, cols] (cols % 64 == 0) into A fragments: per (tile,
+ * 16-column block, lane) one uint4 = the four bf16x2 registers of mma.m16n8k16. */
+int dfk_repack_bf16(const uint16_t *raw, int rows, int cols, uint32_t *out);
+
+/* ---- linear -------------------------------------------------------------------------------- */
+
+/* Input preparation of a linear for M rows x[M, cols]: optional Hadamard rotation
+ * x' = Hn(signs ⊙ x) per hb-wide block (float32 butterflies in the order of
+ * df_hadamard_inplace, then the 1/sqrt(hb) scale hscale), written to xf [M, cols] (float32);
+ * group sums xs[M, cols/gs] of x' (gs > 0; fixed order); and when xb != NULL the bf16 B
+ * fragments of the tensor-core linear: x' = hi + mid + lo split exactly into three bf16
+ * values, n-tile nt holding rows 2nt (columns 0-2 = hi, mid, lo) and 2nt+1 (columns 3-5):
+ * xb uint2 [ceil(M/2), cols/16, 32]. seg = the columns one block handles (a multiple of hb
+ * and gs dividing cols, <= 8192). */
+int dfk_prep(const float *x, int M, int cols, const float *signs, int hb, float hscale, int gs, int seg, float *xf,
+             float *xs, uint32_t *xb);
+
+/* y[M, rows] = W x' on the tensor cores (mma.sync m16n8k16 bf16 -> f32). Per group of gs
+ * columns D = Σ codes·(hi + mid + lo) exactly represented operands, y += s·D + b·Σx'
+ * (groups of a warp in order, then the KW K-slices summed in order 0..KW-1). KW is a
+ * function of the weight's shape only, so every row gets the same bits for any M; TR (tiles
+ * per warp) only distributes work. mode: DFK_MMA_*; gs: 64/128 (quant) or 64 (bf16). */
+int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
+                   const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y);
+
+/* Largest TR (tiles per warp) dfk_linear_mma accepts for a mode, gs and M. */
+int dfk_linear_mma_max_tr(int mode, int gs, int M);
+
+/* y[M, rows] = W x' on CUDA cores for any format: quantized (MLX layout, bits 1..8, any
+ * group size; w = s·q + b) or dense F16/BF16/F32 (wdtype: 0 = F16, 1 = BF16, 2 = F32).
+ * One warp per output row, lanes over columns, fixed xor-tree reduction. */
+int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const uint16_t *biases, int sb_bf16,
+                      int bits, int gs, int rows, int cols, const float *xf, int M, float *y);
+
+/* ---- elementwise and norms ------------------------------------------------------------------ */
+
+/* out[m, :] = embedding row ids[m] (ids: device int32 [M]): dequantized (MLX layout,
+ * rounded to fp16) or dense (wdtype as dfk_linear_simple), then when hb > 0:
+ * fp16(signs ⊙ Hn(row)). Ids outside [0, rows) give zeros. */
+int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits, int gs,
+              const void *dense, int wdtype, int rows, int cols, const float *signs, int hb, float hscale,
+              const int32_t *ids, int M, float *out);
+
+int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, float *y);
+int dfk_add(float *y, const float *x, size_t n);
+int dfk_swiglu(const float *gate, const float *up, size_t n, float *out);
+
+/* out[r] = argmax of x[r, 0..width) (lowest index on ties) into out (device int32 [rows]). */
+int dfk_argmax(const float *x, int rows, int width, int32_t *out);
+
+/* ---- attention ------------------------------------------------------------------------------ */
+
+/* Per row m and head: q heads (when q != NULL) RMSNorm (q_norm) + partial RoPE in place;
+ * k heads RMSNorm (k_norm) + RoPE in place, then k and v rows stored in the cache at index
+ * pos0 + m. positions: device int32 [DFK_MAX_ROWS + 1]: the RoPE positions of the rows, then
+ * pos0 at index DFK_MAX_ROWS (device memory, so that a replayed graph reads new values). Norm
+ * weights may be NULL. */
+int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd, const float *q_norm,
+                const float *k_norm, int rot, float theta, float eps, const int32_t *positions, int M, float *k_cache,
+                float *v_cache);
+
+/* Attention of M rows over the cache in chunks of DFK_ATTN_CHUNK positions: row m sees
+ * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
+ * pos0: device int32 (read by the kernels); nchunk: any bound >= the chunks needed (blocks past
+ * a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
+ * (· sigmoid(gate) when gated). Returns -1 for an unsupported shape (more than 16 query heads
+ * per KV head, or group x head_dim above 4096). */
+#define DFK_ATTN_CHUNK 128
+int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
+                  const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
+
+/* ---- DFlash2 ---------------------------------------------------------------------------------- */
+
+/* Grouped dynamic causal convolution of backend.h `dyn_conv` (base: device [K, H]); the CPU
+ * backend's arithmetic and order, one thread per output element. */
+int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M, int H,
+                 float *out);
+
+/* ---- Gated DeltaNet ----------------------------------------------------------------------- */
+
+/* Causal depthwise conv + SiLU over M rows in order (MODEL.md §1): conv_out [M, C]. */
+int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state, float *conv_out);
+
+/* The recurrence for M rows in order, one block per value head; out may be NULL (states
+ * only). Supported key head dims: 32, 64, 128 (value head dim <= 256). Returns -1 for an
+ * unsupported shape. */
+int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
+                       const float *dt_bias, const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M,
+                       float *S, float *out);
+
+/* ---- misc ----------------------------------------------------------------------------------- */
+
+/* Device-to-device copy bandwidth: copies `bytes` `reps` times (after one warm-up) and
+ * returns (read + written bytes) / second in *gbps (GB/s, 1e9). */
+int dfk_copy_bandwidth(size_t bytes, int reps, double *gbps);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,506 @@
+/* dflash bench: decode speed against the weight-streaming floor, the verify cost curve, the
+ * drafter pass, speculative decoding at a synthetic acceptance rate, and device memory.
+ *
+ *   dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]
+ *                [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]
+ *                [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]
+ *
+ * Speed at synthetic acceptance: the drafter runs for real every round, then its proposals are
+ * replaced (df_spec_params.override) by the target's own greedy output with one position
+ * corrupted, so that a round accepts a = floor(TAU-1) or ceil(TAU-1) drafts (mean TAU-1, i.e.
+ * TAU tokens per round); the output is checked token for token against the plain greedy run of
+ * the same prompt in the same process. The figure is a speed at an assumed acceptance, not a
+ * measurement of a drafter's quality.
+ *
+ * The floor of a decode step: bytes that must be read per token (every linear but the
+ * embedding, GDN states read + written, the KV cache read at the context length, float32 as
+ * stored) over the measured device copy bandwidth (read + write bytes per second). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli/commands_gpu.h"
+#include "core/threads.h"
+#include "dflash/drafter.h"
+#include "dflash/engine.h"
+#include "dflash/generate.h"
+#include "dflash/speculative.h"
+#include "model/target.h"
+#ifdef DFLASH_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
+
+#define MAX_LIST 8
+
+typedef struct bench_opts {
+    const char *model, *drafter, *device;
+    int ctx, gen, repeats, window, threads, verify_curve;
+    int blocks[MAX_LIST], n_blocks;
+    double taus[MAX_LIST];
+    int n_taus;
+    int mem_ctx[MAX_LIST], n_mem;
+} bench_opts;
+
+static int parse_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c) break;
+        s = c + 1;
+    }
+    return n;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    return v[n / 2];
+}
+
+static void sync_dev(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (strcmp(e->be->ops->name, "cuda") == 0) df_backend_cuda_sync(e->be);
+#else
+    (void)e;
+#endif
+}
+
+static int is_cuda(df_engine *e) { return strcmp(e->be->ops->name, "cuda") == 0; }
+
+/* Bytes a decode step at context ctx must read (float32 KV and states as stored). */
+static double linear_bytes(const df_linear *L) {
+    if (L->bits > 0)
+        return (double)L->rows * (double)L->cols * L->bits / 8.0 +
+               2.0 * (double)L->rows * (double)(L->cols / L->group_size) * 2.0;
+    return (double)L->rows * (double)L->cols * (L->wdtype == DF_DTYPE_F32 ? 4.0 : 2.0);
+}
+
+static void step_bytes(const df_pack *pk, int ctx, double *weights, double *states, double *kv) {
+    const df_text_config *c = &pk->cfg;
+    double w = linear_bytes(&pk->lm_head), st = 0, k = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const df_layer_weights *L = &pk->layers[l];
+        if (L->kind == DF_LAYER_FULL_ATTENTION) {
+            w += linear_bytes(&L->q_proj) + linear_bytes(&L->k_proj) + linear_bytes(&L->v_proj) +
+                 linear_bytes(&L->o_proj);
+            k += 2.0 * (double)ctx * c->n_kv_heads * c->head_dim * 4.0;
+        } else {
+            w += linear_bytes(&L->in_proj_qkv) + linear_bytes(&L->in_proj_z) + linear_bytes(&L->in_proj_a) +
+                 linear_bytes(&L->in_proj_b) + linear_bytes(&L->out_proj);
+            st += 2.0 * (double)c->lin_n_v_heads * c->lin_k_head_dim * c->lin_v_head_dim * 4.0;
+        }
+        w += linear_bytes(&L->gate_proj) + linear_bytes(&L->up_proj) + linear_bytes(&L->down_proj);
+    }
+    *weights = w;
+    *states = st;
+    *kv = k;
+}
+
+/* ---- synthetic acceptance -------------------------------------------------------------------- */
+
+typedef struct synth_acc {
+    const int32_t *plain;
+    int n_plain, vocab;
+    double tau;
+    uint64_t rng;
+} synth_acc;
+
+static void synth_propose(void *user, int n_generated, int32_t bonus, int B, int32_t *drafts) {
+    (void)bonus;
+    synth_acc *s = user;
+    s->rng = s->rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    double u = (double)(s->rng >> 11) / 9007199254740992.0;
+    double want = s->tau - 1.0;
+    int a = (int)floor(want) + (u < want - floor(want) ? 1 : 0);
+    if (a > B - 1) a = B - 1;
+    if (a < 0) a = 0;
+    for (int k = 0; k < B - 1; k++) {
+        int idx = n_generated + k;
+        int32_t v = idx < s->n_plain ? s->plain[idx] : 0;
+        if (k == a) v = (v + 1) % s->vocab; /* the first wrong draft */
+        drafts[k] = v;
+    }
+}
+
+/* ---- phases ----------------------------------------------------------------------------------- */
+
+static int32_t *make_prompt(int n, int vocab) {
+    int32_t *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+    int range = vocab > 200100 ? 200000 : vocab - 100;
+    for (int i = 0; p && i < n; i++) p[i] = (int32_t)(((int64_t)i * 7919 + 11) % range + 50);
+    return p;
+}
+
+/* Plain greedy: prefill + gen tokens with the device argmax; returns ids (malloc'd, gen of them)
+ * and the decode time of tokens 2..gen in *ms. */
+static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen, double *prefill_ms, double *ms,
+                          df_error *err) {
+    df_engine *e = s->eng;
+    const int V = df_engine_vocab_size(e);
+    float *lg = malloc((size_t)V * sizeof(float));
+    int32_t *out = malloc((size_t)gen * sizeof(int32_t));
+    if (!lg || !out) {
+        free(lg);
+        free(out);
+        df_error_set(err, DF_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    df_session_reset(s);
+    double t0 = df_now_ms();
+    if (df_session_prefill(s, prompt, ctx, lg, err) != DF_OK) goto fail;
+    double t1 = df_now_ms();
+    out[0] = df_argmax(lg, V);
+    int n = 1;
+    for (; n < gen; n++) {
+        if (df_engine_is_eos(e, out[n - 1])) break;
+        int32_t id = out[n - 1];
+        if (df_target_forward_argmax(s, &id, 1, &out[n], err) != DF_OK) goto fail;
+    }
+    sync_dev(e);
+    double t2 = df_now_ms();
+    *prefill_ms = t1 - t0;
+    *ms = (t2 - t1) / (double)(n > 1 ? n - 1 : 1);
+    free(lg);
+    if (n < gen) out[n] = -1;
+    return out;
+fail:
+    free(lg);
+    free(out);
+    return NULL;
+}
+
+static size_t peak_bytes(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats st;
+        df_backend_cuda_stats(e->be, &st);
+        return st.peak_bytes;
+    }
+#endif
+    (void)e;
+    return 0;
+}
+
+static void reset_peak(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) df_backend_cuda_reset_peak(e->be);
+#else
+    (void)e;
+#endif
+}
+
+/* Peak device memory (bytes held by the backend: weights, buffers, scratch) of a plain session
+ * at context C: up to 4096 positions a real prefill + 8 decode steps; beyond, a 16-row-tile
+ * prefill of C positions reads the cache O(C^2/16) times (hours at 32k), so the positions are
+ * advanced without a prefill (the KV cache for C positions is allocated all the same) before
+ * the decode steps. Then a 16-row verify-shaped pass at C: *verify_peak. */
+static int mem_plain(df_engine *e, const int32_t *prompt, int C, size_t *plain_peak, size_t *verify_peak,
+                     df_error *err) {
+    df_session *ms = NULL;
+    reset_peak(e);
+    if (df_session_init(&ms, e, C + 80, err) != DF_OK) return 0;
+    int ok = 1;
+    if (C <= 4096) ok = df_session_prefill(ms, prompt, C, NULL, err) == DF_OK;
+    else ms->pos = C - 16;
+    int32_t id = prompt[1], am[16];
+    for (int i = 0; ok && i < 8; i++) ok = df_target_forward_argmax(ms, &id, 1, am, err) == DF_OK;
+    sync_dev(e);
+    *plain_peak = peak_bytes(e);
+    ms->pos -= 8;
+    if (ok) ok = df_target_forward_argmax(ms, prompt, 16, am, err) == DF_OK;
+    sync_dev(e);
+    *verify_peak = peak_bytes(e);
+    df_session_free(ms);
+    return ok;
+}
+
+static size_t weight_bytes(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats st;
+        df_backend_cuda_stats(e->be, &st);
+        return st.weight_bytes;
+    }
+#endif
+    (void)e;
+    return 0;
+}
+
+static int usage(void) {
+    fprintf(stderr,
+            "usage: dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]\n"
+            "                    [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]\n"
+            "                    [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]\n");
+    return 2;
+}
+
+int df_cmd_bench(int argc, char **argv) {
+    bench_opts o = {.device = "cuda", .ctx = 1024, .gen = 128, .repeats = 7, .window = 4096, .verify_curve = 1};
+    o.blocks[0] = 16;
+    o.n_blocks = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--model") && v) o.model = argv[++i];
+        else if (!strcmp(a, "--drafter") && v) o.drafter = argv[++i];
+        else if (!strcmp(a, "--device") && v) o.device = argv[++i];
+        else if (!strcmp(a, "--ctx") && v) o.ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--gen") && v) o.gen = atoi(argv[++i]);
+        else if (!strcmp(a, "--repeats") && v) o.repeats = atoi(argv[++i]);
+        else if (!strcmp(a, "--window") && v) o.window = atoi(argv[++i]);
+        else if (!strcmp(a, "--threads") && v) o.threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--block") && v) o.n_blocks = parse_list(argv[++i], o.blocks, MAX_LIST);
+        else if (!strcmp(a, "--memory-ctx") && v) o.n_mem = parse_list(argv[++i], o.mem_ctx, MAX_LIST);
+        else if (!strcmp(a, "--synthetic-acceptance") && v && o.n_taus < MAX_LIST) o.taus[o.n_taus++] = atof(argv[++i]);
+        else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
+        else return usage();
+    }
+    if (!o.model || o.ctx < 1 || o.gen < 2 || o.repeats < 1) return usage();
+    char dpath[4096];
+    if (!o.drafter) {
+        struct stat sb;
+        snprintf(dpath, sizeof dpath, "%s/drafter/config.json", o.model);
+        if (stat(dpath, &sb) == 0) {
+            snprintf(dpath, sizeof dpath, "%s/drafter", o.model);
+            o.drafter = dpath;
+        }
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    df_error err = {0};
+    double bw = 0;
+#ifdef DFLASH_WITH_CUDA
+    if (!strcmp(o.device, "cuda")) {
+        char name[256];
+        size_t total = 0;
+        if (df_cuda_device_info(name, sizeof name, &total, &err) != DF_OK ||
+            df_cuda_copy_bandwidth((size_t)2 << 30, &bw, &err) != DF_OK) {
+            fprintf(stderr, "dflash bench: %s\n", err.msg);
+            return 1;
+        }
+        printf("device: %s, %.1f GiB; device-to-device copy bandwidth %.0f GB/s (read + write, 2 GiB buffer)\n", name,
+               (double)total / (1 << 30), bw);
+    }
+#endif
+    double t0 = df_now_ms();
+    df_engine *e = NULL;
+    df_engine_options eo = {.n_threads = o.threads, .device = o.device};
+    if (df_engine_load(&e, o.model, &eo, &err) != DF_OK) {
+        fprintf(stderr, "dflash bench: %s\n", err.msg);
+        return 1;
+    }
+    const df_pack *pk = df_engine_pack(e);
+    const int V = df_engine_vocab_size(e);
+    printf("pack %s: %d layers, hidden %d, vocab %d; loaded (mapped) in %.1f s\n", o.model, pk->cfg.n_layers,
+           pk->cfg.hidden_size, V, (df_now_ms() - t0) / 1000.0);
+    int max_mem = 0;
+    for (int i = 0; i < o.n_mem; i++)
+        if (o.mem_ctx[i] > max_mem) max_mem = o.mem_ctx[i];
+    df_session *s = NULL;
+    int32_t *prompt = make_prompt(o.ctx + 64 > max_mem ? o.ctx + 64 : max_mem, V);
+    int rc = 1;
+    int32_t *plain = NULL;
+    df_drafter *d = NULL;
+    df_draft_state *ds = NULL;
+    if (df_session_init(&s, e, o.ctx + o.gen + 64, &err) != DF_OK) goto out;
+
+    /* warm-up: uploads the weights */
+    t0 = df_now_ms();
+    if (df_session_prefill(s, prompt, 17, NULL, &err) != DF_OK) goto out;
+    {
+        int32_t id = prompt[0], am;
+        for (int i = 0; i < 4; i++)
+            if (df_target_forward_argmax(s, &id, 1, &am, &err) != DF_OK) goto out;
+    }
+    sync_dev(e);
+    printf("warm-up (weights uploaded on first use): %.1f s\n", (df_now_ms() - t0) / 1000.0);
+
+    /* plain decode vs the floor */
+    double prefill_ms = 0, step_ms = 0;
+    plain = plain_run(s, prompt, o.ctx, o.gen, &prefill_ms, &step_ms, &err);
+    if (!plain) goto out;
+    double wb, sb, kvb;
+    step_bytes(pk, o.ctx, &wb, &sb, &kvb);
+    printf("prefill: %d tokens in %.1f ms = %.1f tok/s\n", o.ctx, prefill_ms, o.ctx * 1000.0 / prefill_ms);
+    printf("plain decode at context %d: %.3f ms/token = %.1f tok/s (%d tokens, device argmax)\n", o.ctx, step_ms,
+           1000.0 / step_ms, o.gen);
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats cs;
+        df_backend_cuda_stats(e->be, &cs);
+        printf("  CUDA steps so far: %ld, replayed as graphs: %ld, graphs captured: %ld\n", cs.steps, cs.graph_replays,
+               cs.graph_captures);
+    }
+#endif
+    if (bw > 0) {
+        double bytes = wb + sb + kvb, floor_ms = bytes / (bw * 1e9) * 1000.0;
+        printf("  floor: %.3f GB/token (weights %.3f + GDN states %.3f + KV %.3f) / %.0f GB/s = %.3f ms = %.1f tok/s;"
+               " ratio %.1f%% of the floor\n",
+               bytes / 1e9, wb / 1e9, sb / 1e9, kvb / 1e9, bw, floor_ms, 1000.0 / floor_ms, 100.0 * floor_ms / step_ms);
+    }
+
+    /* verify cost curve */
+    if (o.verify_curve) {
+        double *smp = malloc((size_t)o.repeats * sizeof(double)), base = 0;
+        const int pos = s->pos;
+        printf("verify cost t(B)/t(1) at context %d (median of %d; B rows through the target + device argmax):\n", pos,
+               o.repeats);
+        for (int B = 1; B <= 16; B++) {
+            int32_t am[16];
+            for (int r = 0; r < o.repeats; r++) {
+                s->pos = pos;
+                sync_dev(e);
+                double a = df_now_ms();
+                if (df_target_forward_argmax(s, prompt, B, am, &err) != DF_OK) {
+                    free(smp);
+                    goto out;
+                }
+                sync_dev(e);
+                smp[r] = df_now_ms() - a;
+            }
+            double med = median(smp, o.repeats);
+            if (B == 1) base = med;
+            printf("  B=%2d  %.3f ms  %.2fx\n", B, med, med / base);
+        }
+        s->pos = pos;
+        free(smp);
+    }
+
+    /* peak device memory of plain decoding, before the drafter's weights are on the device */
+    size_t pplain[MAX_LIST] = {0}, pverify[MAX_LIST] = {0};
+    const size_t wtarget = weight_bytes(e); /* every target weight is on the device after a decode step */
+    if (o.n_mem && !is_cuda(e)) printf("peak device memory: CUDA only\n");
+    if (o.n_mem && is_cuda(e)) {
+        df_session_free(s); /* measured alone */
+        s = NULL;
+        for (int mi = 0; mi < o.n_mem; mi++) {
+            if (!mem_plain(e, prompt, o.mem_ctx[mi], &pplain[mi], &pverify[mi], &err)) goto out;
+            printf("peak device memory at context %d: plain %.2f GiB (target weights %.2f GiB; %s)\n", o.mem_ctx[mi],
+                   (double)pplain[mi] / (1 << 30), (double)weight_bytes(e) / (1 << 30),
+                   o.mem_ctx[mi] <= 4096 ? "prefill + decode" : "KV cache allocated by advancing positions, then decode");
+        }
+        if (df_session_init(&s, e, o.ctx + o.gen + 64, &err) != DF_OK) goto out;
+    }
+
+    if (o.drafter) {
+        t0 = df_now_ms();
+        if (df_drafter_load(&d, o.drafter, e, &err) != DF_OK) goto out;
+        if (df_draft_state_init(&ds, d, o.window, &err) != DF_OK) goto out;
+        const df_drafter_config *dc = df_drafter_get_config(d);
+        printf("drafter %s: %d layers, block %d, taps %d; loaded in %.1f s\n", o.drafter, dc->n_layers, dc->block_size,
+               dc->n_taps, (df_now_ms() - t0) / 1000.0);
+        /* drafter pass time over a context of min(ctx, window) random features */
+        const int nctx = o.ctx < o.window ? o.ctx : o.window, F = dc->n_taps * dc->hidden_size;
+        float *feats = malloc((size_t)16 * (size_t)F * sizeof(float));
+        uint64_t r = 99;
+        for (size_t i = 0; feats && i < (size_t)16 * (size_t)F; i++) {
+            r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+            feats[i] = (float)((double)(r >> 40) / (double)(1ULL << 24)) - 0.5f;
+        }
+        for (int i = 0; feats && i < nctx; i += 16) {
+            int n = nctx - i < 16 ? nctx - i : 16;
+            if (df_draft_add_context(ds, feats, n, i, &err) != DF_OK) {
+                free(feats);
+                goto out;
+            }
+        }
+        free(feats);
+        const int bs[] = {8, 16};
+        double *smp = malloc((size_t)o.repeats * sizeof(double));
+        for (int k = 0; k < 2; k++) {
+            int32_t drafts[16];
+            for (int rr = -1; rr < o.repeats; rr++) {
+                sync_dev(e);
+                double a = df_now_ms();
+                if (df_draft_block(ds, prompt[0], nctx, bs[k], drafts, NULL, NULL, &err) != DF_OK) {
+                    free(smp);
+                    goto out;
+                }
+                sync_dev(e);
+                if (rr >= 0) smp[rr] = df_now_ms() - a;
+            }
+            printf("drafter pass B=%d over %d context rows: %.3f ms (median of %d)\n", bs[k], nctx,
+                   median(smp, o.repeats), o.repeats);
+        }
+        free(smp);
+
+        /* speed at synthetic acceptance */
+        const int ngen = plain[o.gen - 1] < 0 ? 0 : o.gen;
+        if (o.n_taus && ngen == 0) printf("speed at synthetic acceptance: skipped (the plain run hit an EOS id)\n");
+        for (int ti = 0; ti < o.n_taus && ngen; ti++) {
+            for (int bi = 0; bi < o.n_blocks; bi++) {
+                synth_acc sa = {.plain = plain, .n_plain = o.gen, .vocab = V, .tau = o.taus[ti], .rng = 12345};
+                df_spec_params sp = df_spec_params_default();
+                sp.block = o.blocks[bi];
+                sp.override = synth_propose;
+                sp.override_user = &sa;
+                df_gen_params gp = df_gen_params_default();
+                gp.max_tokens = o.gen;
+                df_gen_result res;
+                if (df_generate_speculative(s, ds, prompt, o.ctx, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) goto out;
+                int same = res.n_ids == o.gen && memcmp(res.ids, plain, (size_t)o.gen * sizeof(int32_t)) == 0;
+                double tpr = res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0;
+                double spec_ms = res.decode_ms / (double)(res.n_ids > 1 ? res.n_ids - 1 : 1);
+                printf("speed at synthetic acceptance tau %.2f, block %d: measured %.2f tokens/round over %d rounds; "
+                       "%.3f ms/token = %.1f tok/s vs plain %.1f tok/s: %.2fx; tokens identical to plain: %s\n",
+                       o.taus[ti], o.blocks[bi], tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms, 1000.0 / step_ms,
+                       step_ms / spec_ms, same ? "yes" : "NO");
+                df_gen_result_free(&res);
+                if (!same) goto out;
+            }
+        }
+        /* peak device memory of speculative decoding (drafter weights now on the device) */
+        double overhead = -1;
+        for (int mi = 0; mi < o.n_mem && is_cuda(e); mi++) {
+            const int C = o.mem_ctx[mi];
+            if (C <= 4096) {
+                df_session *ms = NULL;
+                df_session_free(s);
+                s = NULL;
+                reset_peak(e);
+                if (df_session_init(&ms, e, C + 80, &err) != DF_OK) goto out;
+                df_spec_params sp = df_spec_params_default();
+                df_gen_params gp = df_gen_params_default();
+                gp.max_tokens = 32;
+                df_gen_result res;
+                df_status gs = df_generate_speculative(ms, ds, prompt, C, &gp, &sp, NULL, NULL, &res, &err);
+                df_session_free(ms);
+                if (gs != DF_OK) goto out;
+                df_gen_result_free(&res);
+                size_t pspec = peak_bytes(e);
+                overhead = (double)pspec - (double)pverify[mi];
+                printf("peak device memory at context %d: speculative %.2f GiB (measured: block %d, drafter window %d; "
+                       "drafter weights %.2f GiB; +%.2f GiB over plain)\n", C, (double)pspec / (1 << 30),
+                       sp.block ? sp.block : dc->block_size, o.window,
+                       ((double)weight_bytes(e) - (double)wtarget) / (1 << 30),
+                       ((double)pspec - (double)pplain[mi]) / (1 << 30));
+            } else if (overhead >= 0) {
+                printf("peak device memory at context %d: speculative %.2f GiB (plain + 16-row verify pass measured at %d "
+                       "= %.2f GiB, + drafter weights/draft state/rollback buffers %.2f GiB measured at a smaller "
+                       "context)\n", C, ((double)pverify[mi] + overhead) / (1 << 30), C,
+                       (double)pverify[mi] / (1 << 30), overhead / (1 << 30));
+            }
+        }
+    }
+
+    rc = 0;
+out:
+    if (rc) fprintf(stderr, "dflash bench: %s\n", err.msg[0] ? err.msg : "failed");
+#ifdef DFLASH_WITH_CUDA
+    if (e && is_cuda(e) && df_backend_cuda_last_error(e->be)[0])
+        fprintf(stderr, "dflash bench: CUDA backend: %s\n", df_backend_cuda_last_error(e->be));
+#endif
+    free(plain);
+    free(prompt);
+    df_draft_state_free(ds);
+    df_drafter_free(d);
+    df_session_free(s);
+    df_engine_free(e);
+    return rc;
+}

@@ -1,0 +1,657 @@
+/* CUDA backend, op by op (needs a GPU; skips with a message without one or in a build
+ * without the CUDA backend):
+ * - exactness: M-row results == M single-row results bit for bit for M = 1..16 (linear in
+ *   every format, rmsnorm, embed, attention vs decode steps, GDN rows vs single steps);
+ * - work distribution does not change bits (tiles per warp forced to the maximum);
+ * - every op agrees with the CPU backend within float32 tolerance (relative 2e-5 for the
+ *   linears and norms, looser where the GPU's expf/sinf differ by an ulp or fp16 rounding can
+ *   flip). */
+#include "support.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#ifdef DFLASH_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
+
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_cpu;
+static char g_skip[700];
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static float frand(void) {
+    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (float)((rng_state >> 40) & 0xFFFFFF) / (float)(1 << 23) - 1.0f;
+}
+static uint32_t urand(void) {
+    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(rng_state >> 32);
+}
+static uint16_t to_f16(float f) {
+    _Float16 h = (_Float16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static int setup(void **state) {
+    (void)state;
+#ifdef DFLASH_WITH_CUDA
+    df_error err = {0};
+    if (df_backend_cuda_create(&g_gpu, 0, &err) != DF_OK) {
+        snprintf(g_skip, sizeof g_skip, "no CUDA device: %s", err.msg);
+        g_gpu = NULL;
+    } else {
+        setenv("DFLASH_CUDA_TARGET_CTAS", "1", 1); /* tiles per warp as large as allowed */
+        if (df_backend_cuda_create(&g_gpu_tr, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_TARGET_CTAS");
+        setenv("DFLASH_CUDA_LINEAR", "simple", 1);
+        if (df_backend_cuda_create(&g_gpu_simple, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_LINEAR");
+    }
+#else
+    snprintf(g_skip, sizeof g_skip, "this build has no CUDA backend");
+#endif
+    df_error err2 = {0};
+    if (df_backend_cpu_create(&g_cpu, 2, &err2) != DF_OK) return -1;
+    if (!g_gpu) printf("SKIP test_cuda_ops: %s (the GPU tests run on a machine with a GPU)\n", g_skip);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_cpu};
+    for (int i = 0; i < 4; i++)
+        if (bs[i]) bs[i]->ops->destroy(bs[i]);
+    return 0;
+}
+
+#define NEED_GPU()                                                                                                     \
+    do {                                                                                                               \
+        if (!g_gpu) skip();                                                                                            \
+    } while (0)
+
+/* device helpers */
+static void *dput(df_backend *be, const void *h, size_t bytes) {
+    void *d = be->ops->alloc(be, bytes);
+    assert_non_null(d);
+    be->ops->to_device(be, d, h, bytes);
+    return d;
+}
+static void dget(df_backend *be, void *h, const void *d, size_t bytes) { be->ops->to_host(be, h, d, bytes); }
+static void dfree_(df_backend *be, void *d) { be->ops->dealloc(be, d); }
+
+static void gpu_ok(df_backend *be, const char *what) {
+#ifdef DFLASH_WITH_CUDA
+    if (be->failed) fail_msg("%s: CUDA backend failed: %s", what, df_backend_cuda_last_error(be));
+#else
+    (void)be;
+    (void)what;
+#endif
+}
+
+/* ‖a − b‖∞ / max(‖b‖∞, floor) */
+static double rel_err(const float *a, const float *b, size_t n, double floor) {
+    double d = 0, m = floor;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - (double)b[i]);
+        if (!(e <= d)) d = e;
+        if (fabs((double)b[i]) > m) m = fabs((double)b[i]);
+    }
+    return d / m;
+}
+
+/* ---- linear ------------------------------------------------------------------------------------ */
+
+typedef struct qlin {
+    df_linear L;
+    void *w;
+    uint16_t *s, *b;
+    float *signs;
+} qlin;
+
+static void make_linear(qlin *q, int rows, int cols, int bits, int gs, int had, df_dtype dense, int ternary) {
+    memset(q, 0, sizeof *q);
+    q->L.name = "test";
+    q->L.rows = rows;
+    q->L.cols = cols;
+    q->L.bits = bits;
+    if (bits > 0) {
+        size_t words = (size_t)rows * (size_t)cols * (size_t)bits / 32;
+        uint32_t *w = malloc(words * 4);
+        for (size_t i = 0; i < words; i++) {
+            w[i] = urand();
+            if (ternary) { /* codes in {0,1,2} */
+                uint32_t a = w[i], b2 = urand();
+                w[i] = (a & 0x55555555u) | ((~a & b2 & 0x55555555u) << 1);
+            }
+        }
+        q->w = w;
+        size_t ng = (size_t)rows * (size_t)(cols / gs);
+        q->s = malloc(ng * 2);
+        q->b = malloc(ng * 2);
+        for (size_t i = 0; i < ng; i++) {
+            float s = 0.05f * frand();
+            q->s[i] = to_f16(s);
+            q->b[i] = ternary ? to_f16(-s) : to_f16(0.05f * frand());
+        }
+        q->L.group_size = gs;
+        q->L.wdtype = DF_DTYPE_U32;
+        q->L.w = q->w;
+        q->L.sdtype = DF_DTYPE_F16;
+        q->L.scales = q->s;
+        q->L.biases = q->b;
+    } else {
+        size_t n = (size_t)rows * (size_t)cols;
+        if (dense == DF_DTYPE_F32) {
+            float *w = malloc(n * 4);
+            for (size_t i = 0; i < n; i++) w[i] = 0.1f * frand();
+            q->w = w;
+        } else {
+            uint16_t *w = malloc(n * 2);
+            for (size_t i = 0; i < n; i++) w[i] = dense == DF_DTYPE_BF16 ? to_bf16(0.1f * frand()) : to_f16(0.1f * frand());
+            q->w = w;
+        }
+        q->L.wdtype = dense;
+        q->L.w = q->w;
+    }
+    if (had) {
+        q->signs = malloc((size_t)cols * 4);
+        for (int i = 0; i < cols; i++) q->signs[i] = (urand() & 1) ? 1.0f : -1.0f;
+        q->L.hadamard_block = had;
+        q->L.signs = q->signs;
+    }
+}
+
+static void free_linear(qlin *q) {
+    free(q->w);
+    free(q->s);
+    free(q->b);
+    free(q->signs);
+}
+
+/* y[M] rows == single rows, bitwise, on backend be; returns the M = 16 result (host). */
+static float *linear_rows_exact(df_backend *be, const df_linear *L, const float *x, const char *what) {
+    const int cols = L->cols, rows = L->rows, R = DF_MAX_ROWS;
+    float *dx = dput(be, x, (size_t)R * (size_t)cols * 4);
+    float *dy = be->ops->alloc(be, (size_t)R * (size_t)rows * 4), *dy1 = be->ops->alloc(be, (size_t)rows * 4);
+    float *y = malloc((size_t)R * (size_t)rows * 4), *y1 = malloc((size_t)rows * 4);
+    for (int M = 1; M <= R; M++) {
+        be->ops->linear(be, L, dx, M, dy);
+        dget(be, y, dy, (size_t)M * (size_t)rows * 4);
+        for (int m = 0; m < M; m++) {
+            be->ops->linear(be, L, dx + (size_t)m * (size_t)cols, 1, dy1);
+            dget(be, y1, dy1, (size_t)rows * 4);
+            if (memcmp(y1, y + (size_t)m * (size_t)rows, (size_t)rows * 4) != 0)
+                fail_msg("%s: linear row %d of M = %d differs from the single-row result", what, m, M);
+        }
+    }
+    gpu_ok(be, what);
+    dfree_(be, dx);
+    dfree_(be, dy);
+    dfree_(be, dy1);
+    free(y1);
+    return y;
+}
+
+static void test_linear(void **state) {
+    (void)state;
+    NEED_GPU();
+    struct {
+        int rows, cols, bits, gs, had;
+        df_dtype dense;
+        int ternary;
+        const char *name;
+    } cases[] = {
+        {40, 256, 2, 128, 256, 0, 1, "2-bit g128 H256 ternary"},
+        {33, 512, 2, 128, 128, 0, 0, "2-bit g128 H128"},
+        {70, 5120, 2, 128, 1024, 0, 1, "2-bit g128 H1024 (27B-like)"},
+        {24, 128, 4, 64, 0, 0, 0, "4-bit g64"},
+        {20, 256, 4, 128, 0, 0, 0, "4-bit g128"},
+        {17, 256, 8, 64, 0, 0, 0, "8-bit g64"},
+        {18, 256, 2, 64, 0, 0, 0, "2-bit g64"},
+        {20, 192, 3, 32, 0, 0, 0, "3-bit g32 (CUDA cores)"},
+        {9, 320, 5, 32, 0, 0, 0, "5-bit g32 (CUDA cores)"},
+        {12, 384, 6, 64, 0, 0, 0, "6-bit g64 (CUDA cores)"},
+        {8, 256, 0, 0, 0, DF_DTYPE_F16, 0, "dense f16 (CUDA cores)"},
+        {8, 200, 0, 0, 0, DF_DTYPE_BF16, 0, "dense bf16 cols 200 (CUDA cores)"},
+        {37, 320, 0, 0, 0, DF_DTYPE_BF16, 0, "dense bf16 (tensor cores)"},
+        {5, 130, 0, 0, 0, DF_DTYPE_F32, 0, "dense f32 (CUDA cores)"},
+        {600, 768, 2, 128, 256, 0, 1, "2-bit 600 rows (several K slices)"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        qlin q;
+        make_linear(&q, cases[c].rows, cases[c].cols, cases[c].bits, cases[c].gs, cases[c].had, cases[c].dense,
+                    cases[c].ternary);
+        const int R = DF_MAX_ROWS, cols = cases[c].cols, rows = cases[c].rows;
+        float *x = malloc((size_t)R * (size_t)cols * 4);
+        for (int i = 0; i < R * cols; i++) x[i] = frand();
+        float *y = linear_rows_exact(g_gpu, &q.L, x, cases[c].name);
+        /* more tiles per warp: same bits */
+        float *ytr = linear_rows_exact(g_gpu_tr, &q.L, x, cases[c].name);
+        if (memcmp(y, ytr, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: result depends on the tiles per warp", cases[c].name);
+        /* CPU reference and the CUDA-core path */
+        float *ycpu = malloc((size_t)R * (size_t)rows * 4);
+        g_cpu->ops->linear(g_cpu, &q.L, x, R, ycpu);
+        float *ys = linear_rows_exact(g_gpu_simple, &q.L, x, cases[c].name);
+        double e1 = rel_err(y, ycpu, (size_t)R * (size_t)rows, 1e-3), e2 = rel_err(ys, ycpu, (size_t)R * (size_t)rows, 1e-3);
+        printf("linear %-36s rows %4d cols %5d: rel err vs CPU %.2e (CUDA cores %.2e)\n", cases[c].name, rows, cols, e1,
+               e2);
+        if (!(e1 <= 2e-5) || !(e2 <= 2e-5)) fail_msg("%s: GPU linear differs from the CPU", cases[c].name);
+        free(y);
+        free(ytr);
+        free(ys);
+        free(ycpu);
+        free(x);
+        free_linear(&q);
+    }
+}
+
+/* The weight table notices a host buffer reused for different data at the same address. */
+static void test_weight_reupload(void **state) {
+    (void)state;
+    NEED_GPU();
+    qlin q;
+    make_linear(&q, 32, 256, 2, 128, 0, 0, 0);
+    const int cols = 256, rows = 32;
+    float x[256], y[32], yc[32];
+    for (int i = 0; i < cols; i++) x[i] = frand();
+    float *dx = dput(g_gpu, x, sizeof x), *dy = g_gpu->ops->alloc(g_gpu, sizeof y);
+    for (int round = 0; round < 2; round++) {
+        uint32_t *w = q.w;
+        for (int i = 0; i < rows * cols * 2 / 32; i++) w[i] = urand(); /* same pointer, new codes */
+        g_gpu->ops->linear(g_gpu, &q.L, dx, 1, dy);
+        dget(g_gpu, y, dy, sizeof y);
+        g_cpu->ops->linear(g_cpu, &q.L, x, 1, yc);
+        assert_true(rel_err(y, yc, 32, 1e-3) <= 2e-5);
+    }
+    gpu_ok(g_gpu, "reupload");
+    dfree_(g_gpu, dx);
+    dfree_(g_gpu, dy);
+    free_linear(&q);
+}
+
+/* ---- rmsnorm, add, swiglu, argmax ------------------------------------------------------------------ */
+
+static void test_elementwise(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int W = 5120, R = DF_MAX_ROWS;
+    float *x = malloc((size_t)R * W * 4), *w = malloc(W * 4), *y = malloc((size_t)R * W * 4), *y1 = malloc(W * 4);
+    float *yc = malloc((size_t)R * W * 4), *u = malloc((size_t)R * W * 4);
+    for (int i = 0; i < R * W; i++) {
+        x[i] = 3.0f * frand();
+        u[i] = frand();
+    }
+    for (int i = 0; i < W; i++) w[i] = 1.0f + frand();
+    float *dx = dput(be, x, (size_t)R * W * 4), *dy = be->ops->alloc(be, (size_t)R * W * 4), *d1 = be->ops->alloc(be, W * 4);
+    for (int M = 1; M <= R; M++) {
+        be->ops->rmsnorm(be, dx, w, M, W, 1e-6f, dy);
+        dget(be, y, dy, (size_t)M * W * 4);
+        for (int m = 0; m < M; m++) {
+            be->ops->rmsnorm(be, dx + (size_t)m * W, w, 1, W, 1e-6f, d1);
+            dget(be, y1, d1, W * 4);
+            if (memcmp(y1, y + (size_t)m * W, W * 4) != 0) fail_msg("rmsnorm row %d of M = %d differs", m, M);
+        }
+    }
+    g_cpu->ops->rmsnorm(g_cpu, x, w, R, W, 1e-6f, yc);
+    double e = rel_err(y, yc, (size_t)R * W, 1.0);
+    printf("rmsnorm: rel err vs CPU %.2e\n", e);
+    assert_true(e <= 1e-5);
+    /* swiglu and add */
+    float *du = dput(be, u, (size_t)R * W * 4);
+    be->ops->swiglu(be, dx, du, (size_t)R * W, dy);
+    dget(be, y, dy, (size_t)R * W * 4);
+    g_cpu->ops->swiglu(g_cpu, x, u, (size_t)R * W, yc);
+    e = rel_err(y, yc, (size_t)R * W, 1.0);
+    printf("swiglu: rel err vs CPU %.2e\n", e);
+    assert_true(e <= 1e-6);
+    be->ops->add(be, dy, du, (size_t)R * W);
+    dget(be, y, dy, (size_t)R * W * 4);
+    g_cpu->ops->add(g_cpu, yc, u, (size_t)R * W);
+    e = rel_err(y, yc, (size_t)R * W, 1.0);
+    assert_true(e <= 1e-6);
+    /* argmax with ties (lowest index wins) and a big width */
+    const int V = 248320;
+    float *lg = malloc((size_t)4 * V * 4);
+    for (int i = 0; i < 4 * V; i++) lg[i] = frand();
+    lg[0 * V + 1000] = 5.0f;
+    lg[0 * V + 200000] = 5.0f;
+    lg[1 * V + V - 1] = 7.0f;
+    lg[2 * V + 0] = 9.0f;
+    float *dl = dput(be, lg, (size_t)4 * V * 4);
+    int32_t ig[4], ic[4];
+    be->ops->argmax(be, dl, 4, V, ig);
+    g_cpu->ops->argmax(g_cpu, lg, 4, V, ic);
+    assert_memory_equal(ig, ic, sizeof ig);
+    assert_int_equal(ig[0], 1000);
+    assert_int_equal(ig[1], V - 1);
+    assert_int_equal(ig[2], 0);
+    gpu_ok(be, "elementwise");
+    dfree_(be, dl);
+    dfree_(be, dx);
+    dfree_(be, dy);
+    dfree_(be, d1);
+    dfree_(be, du);
+    free(lg);
+    free(x);
+    free(w);
+    free(y);
+    free(y1);
+    free(yc);
+    free(u);
+}
+
+/* ---- embedding ------------------------------------------------------------------------------------- */
+
+static void test_embed(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    struct {
+        int bits, gs, had;
+        df_dtype dense;
+    } cases[] = {{2, 128, 1024, 0}, {2, 128, 0, 0}, {4, 64, 256, 0}, {0, 0, 0, DF_DTYPE_F16}, {0, 0, 512, DF_DTYPE_BF16}};
+    const int rows = 300, cols = 5120, R = DF_MAX_ROWS;
+    int32_t ids[DF_MAX_ROWS];
+    for (int m = 0; m < R; m++) ids[m] = (int32_t)((m * 37 + 5) % rows);
+    ids[3] = rows + 7; /* out of range: zeros */
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        qlin q;
+        make_linear(&q, rows, cols, cases[c].bits, cases[c].gs, cases[c].had, cases[c].dense, cases[c].bits == 2);
+        float *y = malloc((size_t)R * cols * 4), *y1 = malloc((size_t)cols * 4), *yc = malloc((size_t)R * cols * 4);
+        float *dy = be->ops->alloc(be, (size_t)R * cols * 4), *d1 = be->ops->alloc(be, (size_t)cols * 4);
+        be->ops->embed(be, &q.L, ids, R, dy);
+        dget(be, y, dy, (size_t)R * cols * 4);
+        for (int m = 0; m < R; m++) {
+            be->ops->embed(be, &q.L, ids + m, 1, d1);
+            dget(be, y1, d1, (size_t)cols * 4);
+            if (memcmp(y1, y + (size_t)m * cols, (size_t)cols * 4) != 0) fail_msg("embed case %zu row %d differs", c, m);
+        }
+        g_cpu->ops->embed(g_cpu, &q.L, ids, R, yc);
+        double e = rel_err(y, yc, (size_t)R * cols, 1e-3);
+        printf("embed case %zu (bits %d, H %d): rel err vs CPU %.2e\n", c, cases[c].bits, cases[c].had, e);
+        assert_true(e <= 2e-3); /* fp16 rounding of the rotated row may differ by one fp16 ulp */
+        for (int i = 0; i < cols; i++) assert_true(y[3 * cols + i] == 0.0f);
+        gpu_ok(be, "embed");
+        dfree_(be, dy);
+        dfree_(be, d1);
+        free(y);
+        free(y1);
+        free(yc);
+        free_linear(&q);
+    }
+}
+
+/* ---- attention ---------------------------------------------------------------------------------------- */
+
+static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) {
+    df_backend *be = g_gpu;
+    const df_attn_shape sh = {.n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .rot_dims = rot,
+                              .mrope_section = {11, 11, 10}, .rope_theta = 1e7f, .eps = 1e-6f, .gated = gated,
+                              .causal = 1};
+    const int R = DF_MAX_ROWS, qd = nh * (gated ? 2 : 1) * hd, kd = nkv * hd, od = nh * hd, cap = p0 + R;
+    float *qn = malloc((size_t)hd * 4), *kn = malloc((size_t)hd * 4);
+    for (int i = 0; i < hd; i++) {
+        qn[i] = 1.0f + 0.2f * frand();
+        kn[i] = 1.0f + 0.2f * frand();
+    }
+    float *kc0 = malloc((size_t)cap * kd * 4), *vc0 = malloc((size_t)cap * kd * 4);
+    for (int i = 0; i < cap * kd; i++) {
+        kc0[i] = frand();
+        vc0[i] = frand();
+    }
+    float *q = malloc((size_t)R * qd * 4), *k = malloc((size_t)R * kd * 4), *v = malloc((size_t)R * kd * 4);
+    for (int i = 0; i < R * qd; i++) q[i] = 2.0f * frand();
+    for (int i = 0; i < R * kd; i++) {
+        k[i] = 2.0f * frand();
+        v[i] = frand();
+    }
+    float *oa = malloc((size_t)R * od * 4), *ob = malloc((size_t)od * 4), *oc = malloc((size_t)R * od * 4);
+    float *dkcA = dput(be, kc0, (size_t)cap * kd * 4), *dvcA = dput(be, vc0, (size_t)cap * kd * 4);
+    float *dkcB = dput(be, kc0, (size_t)cap * kd * 4), *dvcB = dput(be, vc0, (size_t)cap * kd * 4);
+    float *dv = dput(be, v, (size_t)R * kd * 4);
+    float *dq = be->ops->alloc(be, (size_t)R * qd * 4), *dk = be->ops->alloc(be, (size_t)R * kd * 4);
+    float *doa = be->ops->alloc(be, (size_t)R * od * 4), *dob = be->ops->alloc(be, (size_t)od * 4);
+    int32_t pos[DF_MAX_ROWS];
+    for (int m = 0; m < R; m++) pos[m] = p0 + m;
+    for (int M = 1; M <= R; M++) {
+        be->ops->to_device(be, dq, q, (size_t)M * qd * 4);
+        be->ops->to_device(be, dk, k, (size_t)M * kd * 4);
+        be->ops->attention(be, &sh, dq, dk, dv, qn, kn, pos, M, dkcA, dvcA, p0, doa);
+        dget(be, oa, doa, (size_t)M * od * 4);
+        for (int m = 0; m < M; m++) {
+            be->ops->to_device(be, dq, q + (size_t)m * qd, (size_t)qd * 4);
+            be->ops->to_device(be, dk, k + (size_t)m * kd, (size_t)kd * 4);
+            be->ops->attention(be, &sh, dq, dk, dv + (size_t)m * kd, qn, kn, pos + m, 1, dkcB, dvcB, p0 + m, dob);
+            dget(be, ob, dob, (size_t)od * 4);
+            if (memcmp(ob, oa + (size_t)m * od, (size_t)od * 4) != 0)
+                fail_msg("attention (hd %d, p0 %d): row %d of M = %d differs from the decode step", hd, p0, m, M);
+        }
+    }
+    gpu_ok(be, "attention");
+    /* CPU reference for M = 16 */
+    float *kc = malloc((size_t)cap * kd * 4), *vc = malloc((size_t)cap * kd * 4), *qq = malloc((size_t)R * qd * 4),
+          *kk = malloc((size_t)R * kd * 4);
+    memcpy(kc, kc0, (size_t)cap * kd * 4);
+    memcpy(vc, vc0, (size_t)cap * kd * 4);
+    memcpy(qq, q, (size_t)R * qd * 4);
+    memcpy(kk, k, (size_t)R * kd * 4);
+    g_cpu->ops->attention(g_cpu, &sh, qq, kk, v, qn, kn, pos, R, kc, vc, p0, oc);
+    double e = rel_err(oa, oc, (size_t)R * od, 1e-2);
+    float *kcg = malloc((size_t)cap * kd * 4);
+    dget(be, kcg, dkcA, (size_t)cap * kd * 4);
+    double ek = rel_err(kcg, kc, (size_t)cap * kd, 1.0);
+    printf("attention nh %d/%d hd %d rot %d gated %d p0 %d: rel err vs CPU %.2e (K cache %.2e)\n", nh, nkv, hd, rot,
+           gated, p0, e, ek);
+    assert_true(e <= 1e-4);
+    assert_true(ek <= 1e-5);
+    /* non-causal (drafter block attention) vs CPU */
+    df_attn_shape nc = sh;
+    nc.causal = 0;
+    memcpy(kc, kc0, (size_t)cap * kd * 4);
+    memcpy(vc, vc0, (size_t)cap * kd * 4);
+    memcpy(qq, q, (size_t)R * qd * 4);
+    memcpy(kk, k, (size_t)R * kd * 4);
+    g_cpu->ops->attention(g_cpu, &nc, qq, kk, v, qn, kn, pos, R, kc, vc, p0, oc);
+    be->ops->to_device(be, dkcA, kc0, (size_t)cap * kd * 4);
+    be->ops->to_device(be, dvcA, vc0, (size_t)cap * kd * 4);
+    be->ops->to_device(be, dq, q, (size_t)R * qd * 4);
+    be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
+    be->ops->attention(be, &nc, dq, dk, dv, qn, kn, pos, R, dkcA, dvcA, p0, doa);
+    dget(be, oa, doa, (size_t)R * od * 4);
+    e = rel_err(oa, oc, (size_t)R * od, 1e-2);
+    printf("  non-causal: rel err vs CPU %.2e\n", e);
+    assert_true(e <= 1e-4);
+    /* kv_append vs CPU */
+    memcpy(kk, k, (size_t)R * kd * 4);
+    g_cpu->ops->kv_append(g_cpu, &sh, kk, v, kn, pos, R, kc, vc, p0);
+    be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
+    be->ops->kv_append(be, &sh, dk, dv, kn, pos, R, dkcA, dvcA, p0);
+    dget(be, kcg, dkcA, (size_t)cap * kd * 4);
+    assert_true(rel_err(kcg, kc, (size_t)cap * kd, 1.0) <= 1e-5);
+    gpu_ok(be, "attention");
+    void *ds[] = {dkcA, dvcA, dkcB, dvcB, dv, dq, dk, doa, dob};
+    for (size_t i = 0; i < sizeof ds / sizeof ds[0]; i++) dfree_(be, ds[i]);
+    free(kcg);
+    free(kc);
+    free(vc);
+    free(qq);
+    free(kk);
+    free(qn);
+    free(kn);
+    free(kc0);
+    free(vc0);
+    free(q);
+    free(k);
+    free(v);
+    free(oa);
+    free(ob);
+    free(oc);
+}
+
+static void test_attention(void **state) {
+    (void)state;
+    NEED_GPU();
+    attention_case(4, 2, 64, 16, 1, 37);    /* tiny target */
+    attention_case(24, 4, 256, 64, 1, 600); /* 27B shape, three cache chunks */
+    attention_case(32, 8, 128, 128, 0, 70); /* drafter shape */
+}
+
+/* ---- Gated DeltaNet --------------------------------------------------------------------------------------- */
+
+static void gdn_case(int nk, int nv, int dk, int dv) {
+    df_backend *be = g_gpu;
+    const df_gdn_shape sh = {.n_k_heads = nk, .n_v_heads = nv, .k_head_dim = dk, .v_head_dim = dv, .conv_kernel = 4,
+                             .eps = 1e-6f};
+    const int C = 2 * nk * dk + nv * dv, Vd = nv * dv, K = 4, R = DF_MAX_ROWS;
+    const size_t ssz = (size_t)nv * dk * dv;
+    float *conv_w = malloc((size_t)C * K * 4), *A_log = malloc((size_t)nv * 4), *dt = malloc((size_t)nv * 4),
+          *nw = malloc((size_t)dv * 4);
+    for (int i = 0; i < C * K; i++) conv_w[i] = 0.5f * frand();
+    for (int i = 0; i < nv; i++) {
+        A_log[i] = frand();
+        dt[i] = frand();
+    }
+    for (int i = 0; i < dv; i++) nw[i] = 1.0f + 0.1f * frand();
+    float *qkv = malloc((size_t)R * C * 4), *z = malloc((size_t)R * Vd * 4), *a = malloc((size_t)R * nv * 4),
+          *b = malloc((size_t)R * nv * 4);
+    for (int i = 0; i < R * C; i++) qkv[i] = frand();
+    for (int i = 0; i < R * Vd; i++) z[i] = frand();
+    for (int i = 0; i < R * nv; i++) {
+        a[i] = frand();
+        b[i] = frand();
+    }
+    float *cs0 = malloc((size_t)3 * C * 4), *S0 = malloc(ssz * 4);
+    for (int i = 0; i < 3 * C; i++) cs0[i] = frand();
+    for (size_t i = 0; i < ssz; i++) S0[i] = 0.1f * frand();
+    float *dqkv = dput(be, qkv, (size_t)R * C * 4), *dz = dput(be, z, (size_t)R * Vd * 4), *da = dput(be, a, (size_t)R * nv * 4),
+          *db = dput(be, b, (size_t)R * nv * 4);
+    float *dcsA = be->ops->alloc(be, (size_t)3 * C * 4), *dSA = be->ops->alloc(be, ssz * 4);
+    float *dcsB = be->ops->alloc(be, (size_t)3 * C * 4), *dSB = be->ops->alloc(be, ssz * 4);
+    float *doa = be->ops->alloc(be, (size_t)R * Vd * 4), *dob = be->ops->alloc(be, (size_t)Vd * 4);
+    float *oa = malloc((size_t)R * Vd * 4), *ob = malloc((size_t)Vd * 4), *SA = malloc(ssz * 4), *SB = malloc(ssz * 4);
+    float *csA = malloc((size_t)3 * C * 4), *csB = malloc((size_t)3 * C * 4);
+    for (int M = 1; M <= R; M++) {
+        be->ops->to_device(be, dcsA, cs0, (size_t)3 * C * 4);
+        be->ops->to_device(be, dcsB, cs0, (size_t)3 * C * 4);
+        be->ops->to_device(be, dSA, S0, ssz * 4);
+        be->ops->to_device(be, dSB, S0, ssz * 4);
+        be->ops->gdn(be, &sh, dqkv, dz, da, db, conv_w, A_log, dt, nw, M, dcsA, dSA, doa);
+        dget(be, oa, doa, (size_t)M * Vd * 4);
+        for (int m = 0; m < M; m++) {
+            be->ops->gdn(be, &sh, dqkv + (size_t)m * C, dz + (size_t)m * Vd, da + (size_t)m * nv, db + (size_t)m * nv,
+                         conv_w, A_log, dt, nw, 1, dcsB, dSB, dob);
+            dget(be, ob, dob, (size_t)Vd * 4);
+            if (memcmp(ob, oa + (size_t)m * Vd, (size_t)Vd * 4) != 0)
+                fail_msg("gdn (dk %d): row %d of M = %d differs from the single step", dk, m, M);
+        }
+        dget(be, SA, dSA, ssz * 4);
+        dget(be, SB, dSB, ssz * 4);
+        dget(be, csA, dcsA, (size_t)3 * C * 4);
+        dget(be, csB, dcsB, (size_t)3 * C * 4);
+        assert_memory_equal(SA, SB, ssz * 4);
+        assert_memory_equal(csA, csB, (size_t)3 * C * 4);
+    }
+    /* states-only replay (out = NULL) advances the same states */
+    be->ops->to_device(be, dcsB, cs0, (size_t)3 * C * 4);
+    be->ops->to_device(be, dSB, S0, ssz * 4);
+    be->ops->gdn(be, &sh, dqkv, dz, da, db, conv_w, A_log, dt, nw, R, dcsB, dSB, NULL);
+    dget(be, SB, dSB, ssz * 4);
+    assert_memory_equal(SA, SB, ssz * 4);
+    gpu_ok(be, "gdn");
+    /* CPU reference */
+    float *cs = malloc((size_t)3 * C * 4), *S = malloc(ssz * 4), *oc = malloc((size_t)R * Vd * 4);
+    memcpy(cs, cs0, (size_t)3 * C * 4);
+    memcpy(S, S0, ssz * 4);
+    g_cpu->ops->gdn(g_cpu, &sh, qkv, z, a, b, conv_w, A_log, dt, nw, R, cs, S, oc);
+    double e = rel_err(oa, oc, (size_t)R * Vd, 1e-2), es = rel_err(SA, S, ssz, 1e-2);
+    printf("gdn nk %d nv %d dk %d dv %d: rel err vs CPU out %.2e, state %.2e\n", nk, nv, dk, dv, e, es);
+    assert_true(e <= 1e-4);
+    assert_true(es <= 1e-4);
+    assert_memory_equal(csA, cs, (size_t)3 * C * 4);
+    void *ds[] = {dqkv, dz, da, db, dcsA, dSA, dcsB, dSB, doa, dob};
+    for (size_t i = 0; i < sizeof ds / sizeof ds[0]; i++) dfree_(be, ds[i]);
+    free(cs);
+    free(S);
+    free(oc);
+    free(conv_w);
+    free(A_log);
+    free(dt);
+    free(nw);
+    free(qkv);
+    free(z);
+    free(a);
+    free(b);
+    free(cs0);
+    free(S0);
+    free(oa);
+    free(ob);
+    free(SA);
+    free(SB);
+    free(csA);
+    free(csB);
+}
+
+static void test_gdn(void **state) {
+    (void)state;
+    NEED_GPU();
+    gdn_case(2, 4, 64, 64);     /* tiny */
+    gdn_case(16, 48, 128, 128); /* 27B */
+}
+
+/* DFlash2 grouped dynamic convolution: equals the CPU backend; rows are causal (a prefix of
+ * the block gives the same rows). */
+static void test_dyn_conv(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int H = 256, gs = 64, G = H / gs, K = 3, R = DF_MAX_ROWS, stride = 2 * K * G;
+    float *x = malloc((size_t)R * H * 4), *dyn = malloc((size_t)R * stride * 4), *base = malloc((size_t)K * H * 4);
+    float *yc = malloc((size_t)R * H * 4), *yg = malloc((size_t)R * H * 4), *yp = malloc((size_t)R * H * 4);
+    for (int i = 0; i < R * H; i++) x[i] = frand();
+    for (int i = 0; i < R * stride; i++) dyn[i] = 0.3f * frand();
+    for (int i = 0; i < K * H; i++) base[i] = 0.5f * frand();
+    float *dx = dput(be, x, (size_t)R * H * 4), *dd = dput(be, dyn, (size_t)R * stride * 4);
+    float *dy = be->ops->alloc(be, (size_t)R * H * 4);
+    g_cpu->ops->dyn_conv(g_cpu, x, dyn + K * G, stride, base, K, gs, R, H, yc);
+    be->ops->dyn_conv(be, dx, dd + K * G, stride, base, K, gs, R, H, dy);
+    dget(be, yg, dy, (size_t)R * H * 4);
+    double e = rel_err(yg, yc, (size_t)R * H, 1e-3);
+    printf("dyn_conv: rel err vs CPU %.2e\n", e);
+    assert_true(e <= 1e-6);
+    for (int M = 1; M < R; M += 5) {
+        be->ops->dyn_conv(be, dx, dd + K * G, stride, base, K, gs, M, H, dy);
+        dget(be, yp, dy, (size_t)M * H * 4);
+        assert_memory_equal(yp, yg, (size_t)M * H * 4);
+    }
+    gpu_ok(be, "dyn_conv");
+    dfree_(be, dx);
+    dfree_(be, dd);
+    dfree_(be, dy);
+    free(x);
+    free(dyn);
+    free(base);
+    free(yc);
+    free(yg);
+    free(yp);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
+        cmocka_unit_test(test_dyn_conv),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

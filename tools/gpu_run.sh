@@ -1,0 +1,73 @@
+#!/bin/bash
+# tools/gpu_run.sh: the GPU work's device run (issue 6; DEVICE.md). On the GPU machine, from a
+# copy of this tree placed inside the checkout that travels (see tools/gpu_sync.sh):
+#     cd .gpu-work && bash tools/gpu_run.sh [steps...]
+# steps (default: info tests ops synth bench): info, tests (GPU exactness tests), ops
+# (bench_cuda_ops), synth (27B-shaped pack into /tmp/p27, about 11 GB), bench (dflash bench on
+# it), mem (peak memory at 1k and 32k). Library packages come from ../.gpu-deps (Debian .debs,
+# unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU machine with nvcc 13.0),
+# else built here. Logs go to $OUT.
+set -u
+ROOT=$(cd .. && pwd)
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+STEPS=${*:-"info tests ops synth bench"}
+P=/tmp/pfx
+mkdir -p $P
+for f in ../.gpu-deps/*.deb; do dpkg -x "$f" $P; done
+export LD_LIBRARY_PATH=$P/usr/lib/x86_64-linux-gnu
+export DFLASH_FIXTURES=$ROOT/tests/fixtures DFLASH_SOURCE_DIR=$ROOT
+BIN=$PWD/prebuilt
+TB=$BIN
+"$BIN/dflash-gpu" >/dev/null 2>&1
+if [ $? -ne 2 ]; then
+  echo "== prebuilt binaries do not run here; building" | tee -a "$OUT/summary.txt"
+  export PKG_CONFIG_SYSROOT_DIR=$P PKG_CONFIG_LIBDIR=$P/usr/lib/x86_64-linux-gnu/pkgconfig
+  (cmake -S . -B /tmp/b -DCMAKE_PREFIX_PATH=$P/usr -DDFLASH_SERVER=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+     -DCMAKE_BUILD_RPATH=$P/usr/lib/x86_64-linux-gnu -DCMAKE_BUILD_TYPE=RelWithDebInfo &&
+   cmake --build /tmp/b -j16 --target dflash-gpu test_cuda_ops test_cuda_model bench_cuda_ops) > "$OUT/build.log" 2>&1
+  tail -5 "$OUT/build.log"
+  BIN=/tmp/b
+  TB=/tmp/b/tests
+fi
+t() { /usr/bin/time -f "   (%e s)" "$@"; }
+for s in $STEPS; do
+  echo "== step $s $(date +%T)" | tee -a "$OUT/summary.txt"
+  case $s in
+  info)
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/summary.txt" ;;
+  tests)
+    for tst in test_cuda_ops test_cuda_model; do
+      timeout 300 "$TB/$tst" > "$OUT/$tst.log" 2>&1
+      rc=$?
+      echo "$tst rc=$rc" | tee -a "$OUT/summary.txt"
+      grep -E "rel err|max \|delta\||greedy|speculative ==|FAILED|ERROR|Failure|differ|SKIP|PASSED" "$OUT/$tst.log" | head -40 | tee -a "$OUT/summary.txt"
+      if [ $rc -ne 0 ] && [ "$tst" = test_cuda_ops ]; then
+        timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$TB/$tst" > "$OUT/sanitizer.log" 2>&1
+        grep -E "ERROR SUMMARY|Invalid|at .* in " "$OUT/sanitizer.log" | head -20 | tee -a "$OUT/summary.txt"
+      fi
+    done ;;
+  ops)
+    timeout 240 "$BIN/bench_cuda_ops" --iters 30 2>&1 | tee "$OUT/bench_ops.log" | tee -a "$OUT/summary.txt" ;;
+  synth)
+    [ -f /tmp/p27/drafter/model.safetensors ] ||
+      t timeout 400 "$BIN/dflash-gpu" synth --config 27b --out /tmp/p27 --tokenizer "$ROOT/models/demo" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+    du -sh /tmp/p27 /tmp/p27/drafter | tee -a "$OUT/summary.txt" ;;
+  bench)
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768" >> "$OUT/summary.txt"
+    t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 \
+      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+  exp)
+    for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env $v timeout 120 "$BIN/bench_cuda_ops" --iters 20 2>&1 | grep -E "gdn in_proj_qkv|mlp gate|mlp down|lm_head|k_proj" | tee -a "$OUT/summary.txt"
+    done
+    echo "-- plain decode without graphs" | tee -a "$OUT/summary.txt"
+    DFLASH_CUDA_GRAPHS=0 timeout 200 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor|steps" | tee -a "$OUT/summary.txt" ;;
+  mem)
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
+    t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \
+      --memory-ctx 1024,32768 2>&1 | tee "$OUT/mem.log" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+echo "== done $(date +%T)" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,14 @@
+#!/bin/bash
+# tools/gpu_sync.sh: prepares a device run (run on the CPU machine, from this worktree).
+# Copies this worktree's files (tracked + untracked, not ignored) and stripped prebuilt GPU
+# binaries from build-cuda/ into <checkout>/.gpu-work, the folder the device tool carries
+# (it must be ignored there: /.gpu-work/ in .git/info/exclude). Usage: tools/gpu_sync.sh /work/main
+set -eu
+DEST=${1:?checkout}/.gpu-work
+rm -rf "$DEST"
+mkdir -p "$DEST/prebuilt"
+git ls-files -co --exclude-standard | grep -v '^tests/fixtures/\|^models/' | tar -cf - -T - | tar -xf - -C "$DEST"
+for b in dflash-gpu bench_cuda_ops tests/test_cuda_ops tests/test_cuda_model; do
+  strip -o "$DEST/prebuilt/$(basename $b)" "build-cuda/$b"
+done
+du -sh "$DEST"
