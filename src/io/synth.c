@@ -109,7 +109,10 @@ static stensor *add(tlist *l, const char *name, const char *dtype, int ndim, int
     }
     stensor *t = &l->t[l->n++];
     memset(t, 0, sizeof *t);
-    snprintf(t->name, sizeof t->name, "%s", name);
+    size_t nl = strlen(name);
+    if (nl >= sizeof t->name) nl = sizeof t->name - 1;
+    memcpy(t->name, name, nl);
+    t->name[nl] = 0;
     t->dtype = dtype;
     t->ndim = ndim;
     t->shape[0] = d0;
