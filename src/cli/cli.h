@@ -69,9 +69,18 @@ int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* Reads a chat request file (an OpenAI chat-completions body, or a JSON array of messages)
+ * and validates it as the server does (df_api_request_parse; the file's "model" is not
+ * checked). vocab bounds logit_bias ids. Prints the error (naming the file) and returns -1,
+ * or 0 with *req filled (free with df_api_request_free). */
+struct df_api_request;
+int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab,
+                          struct df_api_request *req);
+
 /* The commands (argv without "dflash CMD"). */
 int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_render(int argc, char **argv);
 
 #endif

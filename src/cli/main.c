@@ -1,4 +1,4 @@
-/* dflash command-line entry point: dflash serve | generate | tokenize. */
+/* dflash command-line entry point: dflash serve | generate | render | tokenize. */
 #include <stdio.h>
 #include <string.h>
 
@@ -11,6 +11,7 @@ static const struct {
 } commands[] = {
     {"serve", cmd_serve, "serve the model over an OpenAI-compatible HTTP API"},
     {"generate", cmd_generate, "generate text from a prompt (streams to stdout, or --json)"},
+    {"render", cmd_render, "print the prompt a chat request renders to with the pack's chat template"},
     {"tokenize", cmd_tokenize, "encode text to token ids, or decode ids to text"},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
