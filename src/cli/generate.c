@@ -135,7 +135,7 @@ int cmd_generate(int argc, char **argv) {
     };
     cli_command cmd = {"generate", "(--prompt TEXT | --chat TEXT | --messages FILE | --prompt-ids IDS) [options]",
                        "Generates a continuation of a prompt and streams it to stdout (statistics go to stderr).\n"
-                       "--chat and --messages render the conversation with the pack's chat template.",
+                       "Chat prompts (--chat, --messages) are rendered with the pack's chat template.",
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;

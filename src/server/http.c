@@ -33,6 +33,7 @@ typedef struct conn_ctx {
     size_t len, cap;
     size_t received;        /* all body bytes seen, kept or not */
     int too_large;
+    int timeout_off;        /* the idle timeout is suspended while the answer is produced */
     struct MHD_Connection *conn;
 } conn_ctx;
 
@@ -75,7 +76,7 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
         resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
     }
     const char *ctype = r->content_type ? r->content_type : "application/json";
-    int is_stream = resp && !r->body && strcmp(ctype, "text/event-stream") == 0;
+    int is_stream = resp && !r->body && strncmp(ctype, "text/event-stream", 17) == 0;
     df_http_response_free(r);
     if (!resp) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
@@ -107,6 +108,11 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
         .client_fd = ci ? ci->connect_fd : -1,
         .client = client,
     };
+    /* The idle timeout guards against slow clients while a request is being read; while its
+     * answer is generated (or waits in the queue) the connection is silent on purpose, so the
+     * timeout is off until the request completes (on_completed turns it back on). */
+    MHD_set_connection_option(ctx->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    ctx->timeout_off = 1;
     df_http_response r;
     df_server_handle(srv, &req, &r);
     return send_response(ctx, &r);
@@ -178,10 +184,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
-    (void)conn, (void)toe;
     df_server *srv = cls;
     conn_ctx *ctx = *con_cls;
     if (ctx) {
+        if (ctx->timeout_off && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
+            MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, srv->opt.timeout_s);
         atomic_fetch_sub(&srv->in_flight, 1);
         free(ctx->body);
         free(ctx);

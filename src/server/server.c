@@ -515,7 +515,7 @@ static int route_completion(df_server *srv, const df_http_request *req, df_route
     resp->x_dflash = j->x_dflash;
     if (j->req.stream) {
         resp->status = 200;
-        resp->content_type = "text/event-stream";
+        resp->content_type = "text/event-stream; charset=utf-8";
         resp->stream = j; /* the handler's reference passes to the stream */
         return 1;
     }
