@@ -7,8 +7,9 @@ each with a distinct prompt and small max_tokens, and checks the accounting:
   - a 200 carries one completion (one finish_reason; a stream ends with exactly one [DONE])
     whose id no other answer has;
   - the server's /metrics counted exactly the 200s and 503s the clients saw.
-Prints latency percentiles (p50/p90/p99 of the 200s) and a JSON summary line; exits 1 if a
-check fails.
+Prints latency percentiles (p50/p90/p99 of the 200s), the engine's busy time (prefill + decode,
+from /metrics: the floor of the wall time, as one request generates at a time) and a JSON
+summary line; exits 1 if a check fails.
 
   tools/loadtest.py --bin build/dflash [--requests 200] [--concurrency 8] [--max-tokens 8] [--queue 16]
   tools/loadtest.py --url http://127.0.0.1:8080 ...      # an already running server
@@ -139,6 +140,9 @@ async def run(host, port, n, concurrency, max_tokens):
                "p50_ms": round(pct(50), 1), "p90_ms": round(pct(90), 1), "p99_ms": round(pct(99), 1),
                "max_ms": round(lat[-1] * 1000, 1) if lat else 0.0,
                "generated_tokens": int(after["dflash_generated_tokens_total"] - before["dflash_generated_tokens_total"]),
+               # time the engine spent prefilling and decoding: the floor of the wall time,
+               # since one request generates at a time
+               "engine_s": round(after["dflash_generation_seconds_total"] - before["dflash_generation_seconds_total"], 3),
                "problems": problems}
     return summary
 
@@ -199,7 +203,7 @@ def main():
     print(f"{s['requests']} requests, concurrency {s['concurrency']}, max_tokens {s['max_tokens']}: "
           f"{s['ok']} ok, {s['busy_503']} busy (503), {s['lost']} lost in {s['wall_s']} s "
           f"({s['req_per_s']} req/s); latency p50 {s['p50_ms']} ms, p90 {s['p90_ms']} ms, p99 {s['p99_ms']} ms, "
-          f"max {s['max_ms']} ms")
+          f"max {s['max_ms']} ms; engine busy {s['engine_s']} s = {100 * s['engine_s'] / s['wall_s']:.1f}% of the wall time")
     for p in s["problems"]:
         print("PROBLEM:", p)
     print(json.dumps(s))
