@@ -123,13 +123,7 @@ int cmd_generate(int argc, char **argv) {
         {"max-tokens", "N", CLI_INT, &max_tokens, "256", "most tokens to generate, 0 = until the context is full", 0, 1 << 30, 0},
         {"stop", "S", CLI_LIST, &stop, "none", "stop string, not printed (up to 16)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
-        {"drafter", "DIR", CLI_STR, &drafter_dir, "none", "DFlash drafter folder: greedy generation is decoded speculatively", 0, 0, 0},
-        {"draft-block", "N", CLI_INT, &spec.block, "the drafter's block size", "tokens per draft block (the first one adaptive)", 2, 16, 0},
-        {"draft-adaptive", NULL, CLI_FLAG, &spec.adaptive, "off", "adapt the block size to the acceptance", 0, 0, 0},
-        {"draft-block-min", "N", CLI_INT, &spec.block_min, "2", "with --draft-adaptive: smallest block", 2, 16, 0},
-        {"draft-block-max", "N", CLI_INT, &spec.block_max, "16", "with --draft-adaptive: largest block", 2, 16, 0},
-        {"draft-window", "N", CLI_INT, &window, "2048", "drafter context positions kept", 1, 1 << 20, 0},
-        {"no-draft", NULL, CLI_FLAG, &no_draft, "off", "load the drafter but decode plainly", 0, 0, 0},
+        CLI_DRAFT_OPTIONS(drafter_dir, spec, window, no_draft),
         {"stats", NULL, CLI_FLAG, &stats, "off", "print draft_rounds, draft_n, draft_n_accepted, tokens/round and acceptance to stderr", 0, 0, 0},
         {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason, ...} instead of streaming", 0, 0, 0},
     };
@@ -141,15 +135,7 @@ int cmd_generate(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
-    if (!drafter_dir)
-        for (int i = 0; i < cmd.n_opts; i++)
-            if (!strncmp(opts[i].name, "draft-", 6) && opts[i].given)
-                return cli_usage_error(&cmd, "--%s needs --drafter", opts[i].name);
-    if (!drafter_dir && no_draft) return cli_usage_error(&cmd, "--no-draft needs --drafter");
-    if (!spec.adaptive && (cli_find(&cmd, "draft-block-min")->given || cli_find(&cmd, "draft-block-max")->given))
-        return cli_usage_error(&cmd, "--draft-block-min and --draft-block-max need --draft-adaptive");
-    if (spec.block_min > spec.block_max)
-        return cli_usage_error(&cmd, "--draft-block-min %d is above --draft-block-max %d", spec.block_min, spec.block_max);
+    if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec)) return CLI_EXIT_USAGE;
 
     char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;
@@ -163,15 +149,11 @@ int cmd_generate(int argc, char **argv) {
     df_session *sess = NULL;
     df_drafter *drafter = NULL;
     df_draft_state *ds = NULL;
-    df_chat_setup cs;
-    memset(&cs, 0, sizeof cs);
-    df_api_request req;
-    memset(&req, 0, sizeof req);
-    df_chat_built built;
-    memset(&built, 0, sizeof built);
+    df_chat_setup cs = {0};
+    df_api_request req = {0};
+    df_chat_built built = {0};
     json_t *message = NULL;
-    df_gen_result res;
-    memset(&res, 0, sizeof res);
+    df_gen_result res = {0};
     rc = CLI_EXIT_FAIL;
     df_engine_options eo = {.n_threads = threads};
     if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {

@@ -32,12 +32,9 @@ int cmd_render(int argc, char **argv) {
 
     df_error err = {0};
     df_tokenizer *tok = NULL;
-    df_chat_setup cs;
-    memset(&cs, 0, sizeof cs);
-    df_api_request req;
-    memset(&req, 0, sizeof req);
-    df_chat_built built;
-    memset(&built, 0, sizeof built);
+    df_chat_setup cs = {0};
+    df_api_request req = {0};
+    df_chat_built built = {0};
     rc = CLI_EXIT_FAIL;
     if (df_tokenizer_load(&tok, path, &err) || df_chat_setup_init(&cs, dir, tok, thinking, &err)) {
         cli_error("render", "%s", err.msg);

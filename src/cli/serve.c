@@ -94,13 +94,7 @@ int cmd_serve(int argc, char **argv) {
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "thinking on for chat requests that do not set enable_thinking", 0, 0, 0},
         {"top-logprobs-k", "N", CLI_INT, &top_k, "20", "largest top_logprobs a request may ask for", 0, 20, 0},
         {"queue", "N", CLI_INT, &queue, "16", "requests that may wait while one generates; more get 503", 0, 1 << 20, 0},
-        {"drafter", "DIR", CLI_STR, &drafter, "none", "DFlash drafter folder: greedy requests are decoded speculatively", 0, 0, 0},
-        {"draft-block", "N", CLI_INT, &spec.block, "the drafter's block size", "tokens per draft block (the first one adaptive)", 2, 16, 0},
-        {"draft-adaptive", NULL, CLI_FLAG, &spec.adaptive, "off", "adapt the block size to the acceptance", 0, 0, 0},
-        {"draft-block-min", "N", CLI_INT, &spec.block_min, "2", "with --draft-adaptive: smallest block", 2, 16, 0},
-        {"draft-block-max", "N", CLI_INT, &spec.block_max, "16", "with --draft-adaptive: largest block", 2, 16, 0},
-        {"draft-window", "N", CLI_INT, &window, "2048", "drafter context positions kept", 1, 1 << 20, 0},
-        {"no-draft", NULL, CLI_FLAG, &no_draft, "off", "load the drafter but decode every request plainly (x-dflash: fallback; reason=disabled)", 0, 0, 0},
+        CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft),
         {"max-body", "BYTES", CLI_SIZE, &max_body, "8388608 (8 MiB)", "largest request body; larger ones get 413", 1024, 1073741824.0, 0},
         {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
@@ -115,15 +109,7 @@ int cmd_serve(int argc, char **argv) {
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
-    if (!drafter)
-        for (int i = 0; i < cmd.n_opts; i++)
-            if (!strncmp(opts[i].name, "draft-", 6) && opts[i].given)
-                return cli_usage_error(&cmd, "--%s needs --drafter", opts[i].name);
-    if (!drafter && no_draft) return cli_usage_error(&cmd, "--no-draft needs --drafter");
-    if (!spec.adaptive && (cli_find(&cmd, "draft-block-min")->given || cli_find(&cmd, "draft-block-max")->given))
-        return cli_usage_error(&cmd, "--draft-block-min and --draft-block-max need --draft-adaptive");
-    if (spec.block_min > spec.block_max)
-        return cli_usage_error(&cmd, "--draft-block-min %d is above --draft-block-max %d", spec.block_min, spec.block_max);
+    if (cli_check_draft_options(&cmd, drafter, no_draft, &spec)) return CLI_EXIT_USAGE;
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
     (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;

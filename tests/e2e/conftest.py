@@ -192,3 +192,20 @@ def chatml(*turns):
 def tokenize(text):
     p = run_cli("tokenize", *model_args(), "--text", text, check=True)
     return json.loads(p.stdout)
+
+
+def assert_error(r, status, code=None, param=None):
+    """r answers with `status` and an OpenAI error object; returns the error."""
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "code", "param"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from conftest import DRAFTER, SANITIZED, Server, check_clean_exit
+from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit
 
 MSG = [{"role": "user", "content": "hi"}]
 SLOW = 6 if SANITIZED else 1
@@ -36,21 +36,6 @@ def baseline(srv):
                             "temperature": 0})
     assert r.status_code == 200
     return r.json()
-
-
-def assert_error(r, status, code=None, param=None):
-    assert r.status_code == status, r.text
-    assert r.headers["Content-Type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) >= {"message", "type", "code", "param"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    if code is not None:
-        assert err["code"] == code, err
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 def raw(port, data, read=True, timeout=10):
