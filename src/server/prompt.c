@@ -2,7 +2,8 @@
  *
  * Untrusted text: before rendering, every occurrence of a special token's text inside a
  * string of the request (values and object keys, at any depth) is replaced by a sentinel —
- * U+10FFFF followed by the private-use character U+F0000 + k for special token k. The
+ * U+10FFFF followed by the private-use character U+F0000 + k for special token k — and a
+ * U+10FFFF of the request itself is doubled, so no request text can pose as a sentinel. The
  * template then renders as usual; afterwards special tokens are matched only in the rendered
  * text (where the template wrote them), and every stretch between them is encoded with
  * special tokens off after the sentinels are turned back into the original text. The
@@ -104,24 +105,33 @@ static int special_at(const df_chat_setup *cs, const char *s, size_t n) {
     return -1;
 }
 
+#define LEAD_LEN (sizeof SENTINEL_LEAD - 1)
+
+static int is_lead(const char *s, size_t n) { return n >= LEAD_LEN && !memcmp(s, SENTINEL_LEAD, LEAD_LEN); }
+
+/* 1 if s holds a special token's text or the sentinel lead character (both are escaped). */
 static int has_special(const df_chat_setup *cs, const char *s, size_t n) {
     for (size_t i = 0; i < n; i++)
-        if (special_at(cs, s + i, n - i) >= 0) return 1;
+        if (special_at(cs, s + i, n - i) >= 0 || is_lead(s + i, n - i)) return 1;
     return 0;
 }
 
-/* s with each special token's text replaced by its sentinel; NULL when out of memory. */
+/* s with each special token's text replaced by its sentinel, and each U+10FFFF doubled (so a
+ * request cannot write a sentinel itself); NULL when out of memory. */
 static json_t *sentinel_string(const df_chat_setup *cs, const char *s, size_t n) {
     jbuf b = {0};
     int bad = 0;
     for (size_t i = 0; i < n && !bad;) {
         int k = special_at(cs, s + i, n - i);
-        if (k < 0) {
+        if (k >= 0) {
+            bad = jbuf_puts(&b, SENTINEL_LEAD) || ju8_put(&b, SENTINEL_BASE + k);
+            i += cs->special_len[k];
+        } else if (is_lead(s + i, n - i)) {
+            bad = jbuf_puts(&b, SENTINEL_LEAD SENTINEL_LEAD);
+            i += LEAD_LEN;
+        } else {
             bad = jbuf_putc(&b, s[i++]);
-            continue;
         }
-        bad = jbuf_puts(&b, SENTINEL_LEAD) || ju8_put(&b, SENTINEL_BASE + k);
-        i += cs->special_len[k];
     }
     json_t *j = bad ? NULL : json_stringn_nocheck(b.p ? b.p : "", b.n);
     jbuf_free(&b);
@@ -171,24 +181,27 @@ static json_t *sanitize(const df_chat_setup *cs, json_t *v) {
     return json_incref(v);
 }
 
-/* Appends s[0..n) to b with every sentinel turned back into its special token's text. */
+/* Appends s[0..n) to b with every sentinel turned back into its special token's text and
+ * every doubled U+10FFFF into one. */
 static int restore(const df_chat_setup *cs, const char *s, size_t n, jbuf *b) {
-    const size_t L = sizeof SENTINEL_LEAD - 1;
     size_t i = 0;
     while (i < n) {
-        const char *hit = memmem(s + i, n - i, SENTINEL_LEAD, L);
+        const char *hit = memmem(s + i, n - i, SENTINEL_LEAD, LEAD_LEN);
         size_t upto = hit ? (size_t)(hit - s) : n;
         if (jbuf_put(b, s + i, upto - i)) return -1;
         i = upto;
         if (!hit) break;
+        i += LEAD_LEN;
         size_t adv = 0;
-        int32_t c = i + L < n ? ju8_decode(s + i + L, n - i - L, &adv) : -1;
-        if (c >= SENTINEL_BASE && c < SENTINEL_BASE + cs->n_special) {
+        int32_t c = i < n ? ju8_decode(s + i, n - i, &adv) : -1;
+        if (is_lead(s + i, n - i)) { /* an escaped U+10FFFF of the request */
+            if (jbuf_put(b, SENTINEL_LEAD, LEAD_LEN)) return -1;
+            i += LEAD_LEN;
+        } else if (c >= SENTINEL_BASE && c < SENTINEL_BASE + cs->n_special) {
             if (jbuf_puts(b, cs->special[c - SENTINEL_BASE])) return -1;
-            i += L + adv;
-        } else {
-            if (jbuf_put(b, s + i, L)) return -1;
-            i += L;
+            i += adv;
+        } else if (jbuf_put(b, SENTINEL_LEAD, LEAD_LEN)) { /* a lone one the template wrote */
+            return -1;
         }
     }
     return 0;
