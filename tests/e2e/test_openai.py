@@ -562,3 +562,17 @@ def test_load_failure_exits_1(tmp_path):
     assert p.returncode == 1
     assert "loading failed" in p.stderr or "dflash serve:" in p.stderr
     assert str(tmp_path) not in p.stderr   # the model folder is named by its public id only
+
+
+def test_curl_streaming(server):
+    import subprocess
+    body = {"messages": msgs("def fib(n):"), "max_tokens": 10, "temperature": 0}
+    full, _ = chat(server.url, body)
+    out = subprocess.run(["curl", "-sN", "-D", "-", "-H", "Content-Type: application/json", "-d",
+                          json.dumps({**body, "stream": True}), server.url + "/v1/chat/completions"],
+                         capture_output=True, timeout=120, check=True).stdout.decode()
+    head, _, sse = out.partition("\r\n\r\n")
+    assert "x-dflash: speculative" in head and "text/event-stream" in head and "chunked" in head.lower()
+    events = [json.loads(l[6:]) if l[6:] != "[DONE]" else "[DONE]" for l in sse.splitlines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert assemble(events)[1] == (full["choices"][0]["message"]["content"] or "")
