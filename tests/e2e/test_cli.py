@@ -289,3 +289,10 @@ def test_generate_stats_and_no_draft():
 def test_generate_bad_drafter_fails(tmp_path):
     p = run_cli("generate", *model_args(), "--chat", "hi", "--drafter", str(tmp_path / "none"))
     assert p.returncode == 1 and "drafter" in p.stderr
+
+
+def test_generate_dflash2_drafter_equals_plain():
+    drafter2 = DRAFTER.replace("tiny-dflash", "tiny-dflash2")
+    plain = generate_json("--chat", "class Stack:", "--max-tokens", "32")
+    spec = generate_json("--chat", "class Stack:", "--max-tokens", "32", "--drafter", drafter2)
+    assert spec["ids"] == plain["ids"] and spec["draft_rounds"] > 0
