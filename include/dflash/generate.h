@@ -117,6 +117,12 @@ typedef struct df_gen_params {
     /* called for each generated token (before its text reaches the text callback) when
      * logprobs is on; non-zero return stops generation like the text callback */
     int (*on_token)(void *user, const df_token_info *info);
+    /* Test hook (the server's --test-hooks): the first n_forced_ids generated tokens are these
+     * ids instead of the sampled ones; the model still runs every step and everything after
+     * the choice (logprobs, detokenisation, stop strings, EOS) is unchanged. NULL/0 = off.
+     * Plain decoding only (df_generate_speculative rejects it). */
+    const int32_t *forced_ids;
+    int n_forced_ids;
 } df_gen_params;
 
 df_gen_params df_gen_params_default(void);

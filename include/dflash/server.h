@@ -1,28 +1,37 @@
 /* dflash: the OpenAI-compatible HTTP server.
  *
- * Two layers:
+ * Layers:
  * - df_server_handle: the API itself, transport-free. It takes one whole HTTP request
- *   (method, path, Authorization header, body) and produces the status, the JSON body and
- *   the headers of the answer. Every route, validation rule and error object lives here, so
- *   it can be driven directly (tests, fuzzing) without a socket.
+ *   (method, path, Authorization header, body) and produces the status, headers and either
+ *   the JSON body or, for "stream": true, a stream of Server-Sent Events read with
+ *   df_server_stream_read. Every route, validation rule and error object lives here, so it can
+ *   be driven directly (tests, fuzzing) without a socket.
  * - df_server_listen / df_server_stop: a libmicrohttpd daemon (one thread per connection)
- *   that reads requests (bodies bounded by max_body), calls df_server_handle and logs one
- *   line per request.
+ *   that reads requests (bodies bounded by max_body, headers by max_header) and writes the
+ *   answers.
  *
- * Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions
- * (non-streaming). Responses and errors follow the OpenAI shapes; errors are
- * {"error": {"message", "type", "code", "param"}} with 400 (invalid request), 401 (API
- * key), 404 (unknown route or model), 405 (wrong method), 413 (body above max_body),
- * 500 (engine failure), 503 (shutting down).
+ * Model: df_server_listen binds the socket first, then loads the pack (and the drafter, the
+ * chat template) in the background: until it is ready GET /health answers 503
+ * {"status": "loading"} and completion routes 503 with Retry-After. df_server_state tells
+ * the caller when loading failed.
  *
- * Generation runs one request at a time on a single session behind a mutex; other
- * requests wait. Messages are rendered with plain ChatML framing, thinking off
- * (df_chatml_render). Sampling fields a request omits take the pack's
- * generation_config.json defaults.
+ * Routes: GET /health, GET /metrics (Prometheus text), GET /v1/models, GET /v1/models/{id},
+ * POST /v1/chat/completions, POST /v1/completions (both streaming and not). Errors are OpenAI
+ * error objects {"error": {"message", "type", "code", "param"}}: 400 (invalid request, or
+ * exceed_context_size_error with n_prompt_tokens and n_ctx), 401 (API key), 404 (unknown
+ * route or model), 405 (wrong method), 413 (body above max_body), 500 (engine failure), 503
+ * (loading, queue full, shutting down; with Retry-After).
  *
- * Privacy: responses never contain a local path; engine messages that reach a response or
- * the log have the pack folder replaced by the model id and $HOME / the working directory by
- * "~" / ".".
+ * Generation: one request at a time on a single session, fed by a bounded FIFO queue of
+ * waiting requests (opt.queue; a request finding it full gets 503). Chat prompts are rendered
+ * with the pack's chat template (a built-in ChatML one when the pack has none); text from the
+ * request never becomes a special token. Greedy requests (temperature 0, no logit
+ * processors, no logprobs) are decoded speculatively when a drafter is loaded; the others run
+ * plain. Each answer says which in the x-dflash header ("speculative" or "fallback;
+ * reason=<no-drafter|disabled|sampled|logprobs|penalties|logit_bias|forced>").
+ *
+ * Privacy: responses and log lines never contain a local path: the pack and drafter folders
+ * are replaced by the model id / "drafter", $HOME / the working directory by "~" / ".".
  *
  * Thread safety: df_server_handle may be called from several threads at once. The library
  * never prints and never exits; log lines go to the caller's callback.
@@ -31,8 +40,9 @@
 #define DFLASH_SERVER_H
 
 #include <stddef.h>
+#include <sys/types.h>
 
-#include "dflash/engine.h"
+#include "dflash/speculative.h"
 #include "dflash/status.h"
 
 #ifdef __cplusplus
@@ -48,18 +58,37 @@ typedef void (*df_server_log_fn)(void *user, const char *line);
 #define DF_SERVER_DEFAULT_HOST "127.0.0.1"
 #define DF_SERVER_DEFAULT_PORT 8080
 #define DF_SERVER_DEFAULT_MAX_BODY ((size_t)8 << 20)
+#define DF_SERVER_DEFAULT_MAX_HEADER ((size_t)32 << 10)
+#define DF_SERVER_DEFAULT_QUEUE 16
+#define DF_SERVER_DEFAULT_DRAFT_WINDOW 2048
 
 typedef struct df_server_options {
     const char *host;         /* address to listen on (numeric or a name); default 127.0.0.1 */
     int port;                 /* TCP port; 0 = one chosen by the system (see df_server_port) */
     const char *model_id;     /* public model name (required, non-empty) */
     const char *api_key;      /* Bearer key; NULL or "" = none, allowed only on a loopback host */
+    const char *model_dir;    /* the pack folder (required), loaded by df_server_listen */
+    int n_threads;            /* compute threads; 0 = all CPUs */
+    const char *device;       /* compute backend: NULL/"cpu" or "cuda" */
     int ctx_size;             /* positions of the session; 0 = the pack's (df_session_init) */
     int max_tokens;           /* default and upper bound of completion tokens per request;
                                  0 = until the context is full */
+    int enable_thinking;      /* thinking for chat requests that do not say: 0 off, 1 on */
+    int top_logprobs_k;       /* largest top_logprobs a request may ask for (0..20) */
+    int queue;                /* requests that may wait while one generates (>= 0) */
+    /* speculative decoding */
+    const char *drafter_dir;  /* DFlash drafter folder, or NULL for none */
+    df_spec_params spec;      /* block size (0 = the drafter's), adaptive range */
+    int draft_window;         /* drafter context positions kept (>= 1) */
+    int no_draft;             /* load the drafter but decode every request plain */
+    /* transport limits */
     size_t max_body;          /* request body limit in bytes (413 above); 0 = 8 MiB */
+    size_t max_header;        /* memory for the request line and headers; 0 = 32 KiB */
     unsigned max_connections; /* concurrent connections; 0 = 64 */
-    unsigned timeout_s;       /* idle connection timeout in seconds; 0 = 60 */
+    unsigned timeout_s;       /* idle connection timeout in seconds; 0 = 30 */
+    /* testing only: honour the request field "dflash_forced_output" (a text whose tokens
+     * replace the sampled ones; the model still runs). Never enable on a real deployment. */
+    int test_hooks;
     df_server_log_fn log;     /* NULL = no log */
     void *log_user;
 } df_server_options;
@@ -69,23 +98,32 @@ df_server_options df_server_options_default(void);
 /* 1 if host names a loopback address ("localhost", 127.0.0.0/8, ::1). */
 int df_server_host_is_loopback(const char *host);
 
-/* Creates a server for eng (not yet listening) with its own session of opt->ctx_size
- * positions. eng must outlive the server. Errors: DF_ERR_INVALID_ARG (no model id, a
- * non-loopback host without an API key, bad limits), errors of df_session_init. */
-df_status df_server_init(df_server **out, df_engine *eng, const df_server_options *opt, df_error *err);
+/* Creates a server (not yet listening; nothing loaded). Errors: DF_ERR_INVALID_ARG (no model
+ * id or folder, a non-loopback host without an API key, bad limits), DF_ERR_NOMEM. */
+df_status df_server_init(df_server **out, const df_server_options *opt, df_error *err);
 
-/* Starts listening on opt->host:opt->port in background threads and returns.
- * Errors: DF_ERR_INVALID_ARG (the host does not resolve), DF_ERR_IO (the address cannot
- * be bound). */
+/* Binds opt->host:opt->port, starts answering in background threads, and starts loading the
+ * model in the background; returns at once. Errors: DF_ERR_INVALID_ARG (the host does not
+ * resolve), DF_ERR_IO (the address cannot be bound). */
 df_status df_server_listen(df_server *srv, df_error *err);
+
+typedef enum df_server_state {
+    DF_SERVER_LOADING = 0,
+    DF_SERVER_READY,
+    DF_SERVER_FAILED     /* loading failed: df_server_load_error says why */
+} df_server_state;
+
+df_server_state df_server_get_state(const df_server *srv);
+/* The loading error (redacted), or "" when none. */
+const char *df_server_load_error(const df_server *srv);
 
 /* The port actually bound (after df_server_listen), else the configured one. */
 int df_server_port(const df_server *srv);
 
-/* Stops gracefully: no new connections are accepted, a generation in progress is cancelled
- * and every request already begun gets its answer (503 for cancelled ones) within a grace
- * period of 10 s; then open connections are closed and their threads joined. Safe to call
- * twice or when not listening. */
+/* Stops gracefully: no new connections are accepted; the generation in progress is
+ * cancelled within one decoding round, waiting requests are answered 503, and every request
+ * already begun gets its answer within a grace period of 10 s; then open connections are
+ * closed and their threads joined. Safe to call twice or when not listening. */
 void df_server_stop(df_server *srv);
 
 /* Stops (df_server_stop) and frees. NULL is fine. */
@@ -99,33 +137,41 @@ typedef struct df_http_request {
     const char *body;            /* may be NULL when body_len is 0; need not be NUL-terminated */
     size_t body_len;
     int body_too_large;          /* the transport stopped keeping the body past max_body */
-    /* Polled during generation; non-zero = the client went away (generation stops). */
-    int (*client_gone)(void *user);
-    void *client_user;
+    int client_fd;               /* the client's socket, polled for hang-ups (the server
+                                    dup()s it while generating); -1 = none */
+    const char *client;          /* client address for the log, or NULL */
 } df_http_request;
+
+/* A streamed answer (Server-Sent Events). */
+typedef struct df_server_stream df_server_stream;
 
 /* The answer. Free with df_http_response_free. */
 typedef struct df_http_response {
     int status;                  /* HTTP status */
-    char *body;                  /* malloc'd JSON text (NUL-terminated), body_len bytes;
-                                    NULL only when out of memory */
+    char *body;                  /* malloc'd text (NUL-terminated), body_len bytes; NULL for a
+                                    stream (or when out of memory) */
     size_t body_len;
+    df_server_stream *stream;    /* non-NULL: the body is read with df_server_stream_read and
+                                    the stream must be closed with df_server_stream_close */
     const char *content_type;    /* static string */
     const char *allow;           /* for 405: the allowed methods (static), else NULL */
     const char *x_dflash;        /* decode mode header value (static), or NULL */
+    int retry_after;             /* > 0: send Retry-After (seconds) */
     int www_authenticate;        /* 401: send WWW-Authenticate: Bearer */
-    /* for the log line */
-    int prompt_tokens;           /* -1 when no generation ran */
-    int completion_tokens;
-    const char *finish;          /* "stop", "length", ... or NULL */
-    double gen_ms;               /* prefill + decode wall time */
-    char note[160];              /* short reason for an error status (already redacted) */
 } df_http_response;
 
-/* Answers one request. Never fails: every problem becomes an error response (status 500
- * when out of memory). */
+/* Answers one request; for a non-streamed completion this blocks until it is generated.
+ * Never fails: every problem becomes an error response (status 500 when out of memory).
+ * One log line per request: at the end (and one more on arrival for completions). */
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp);
 void df_http_response_free(df_http_response *resp);
+
+/* Copies up to cap bytes of the stream into buf, waiting until some are ready. Returns the
+ * number of bytes (> 0), or 0 at the end of the stream. */
+size_t df_server_stream_read(df_server_stream *s, char *buf, size_t cap);
+/* Ends a stream: a generation still running for it is cancelled (the client went away).
+ * Logs the request's end line. */
+void df_server_stream_close(df_server_stream *s);
 
 #ifdef __cplusplus
 }

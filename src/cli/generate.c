@@ -1,4 +1,5 @@
-/* dflash generate: one prompt in, generated text out (streamed, or one JSON object). */
+/* dflash generate: one prompt in, generated text out (streamed, or one JSON object), plainly or
+ * with a DFlash drafter (speculative decoding, greedy only). */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,8 +8,13 @@
 #include <jansson.h>
 
 #include "cli/cli.h"
+#include "dflash/chat.h"
 #include "dflash/engine.h"
 #include "dflash/generate.h"
+#include "dflash/speculative.h"
+#include "server/openai.h"
+#include "server/prompt.h"
+#include "text/jinja_internal.h"
 
 static volatile sig_atomic_t interrupted;
 
@@ -41,16 +47,31 @@ static json_t *id_array(const int32_t *ids, size_t n) {
     return a;
 }
 
-static int print_json(const int32_t *prompt, size_t n_prompt, const df_gen_result *res) {
+typedef struct gen_output {
+    const int32_t *prompt;
+    size_t n_prompt;
+    const df_gen_result *res;
+    int drafter;               /* a drafter was loaded: add the draft counts */
+    json_t *message;           /* chat: the parsed assistant message, or NULL */
+} gen_output;
+
+static int print_json(const gen_output *g) {
+    const df_gen_result *res = g->res;
     json_t *text = json_stringn(res->text ? res->text : "", res->text_len);
     if (!text) {
         fprintf(stderr, "dflash generate: the generated text is not valid UTF-8\n");
         return CLI_EXIT_FAIL;
     }
-    json_t *o = json_pack("{s:o, s:o, s:o, s:s, s:f, s:f}", "prompt_ids", id_array(prompt, n_prompt), "ids",
+    json_t *o = json_pack("{s:o, s:o, s:o, s:s, s:f, s:f}", "prompt_ids", id_array(g->prompt, g->n_prompt), "ids",
                           id_array(res->ids, (size_t)res->n_ids), "text", text, "finish_reason",
                           df_finish_reason_name(res->finish), "prompt_ms", res->prompt_ms, "decode_ms",
                           res->decode_ms);
+    if (o && g->drafter) {
+        json_object_set_new(o, "draft_rounds", json_integer(res->draft_rounds));
+        json_object_set_new(o, "draft_n", json_integer(res->draft_n));
+        json_object_set_new(o, "draft_n_accepted", json_integer(res->draft_n_accepted));
+    }
+    if (o && g->message) json_object_set(o, "message", g->message);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (!s) {
@@ -62,17 +83,39 @@ static int print_json(const int32_t *prompt, size_t n_prompt, const df_gen_resul
     return CLI_EXIT_OK;
 }
 
+/* The assistant message parsed from a chat output (reasoning, content, tool calls). */
+static json_t *parse_message(const df_chat_built *built, const df_api_request *req, const df_gen_result *res) {
+    df_chat_parse_options po = {.thinking_open = built->thinking_open,
+                                .parse_tool_calls = req->tools && req->tool_choice != DF_TOOL_CHOICE_NONE,
+                                .tools = req->tools,
+                                .id_seed = req->gen.sampling.has_seed ? req->gen.sampling.seed : 0};
+    jbuf all = {0};
+    df_chat_message m = {0};
+    df_error err = {0};
+    json_t *msg = NULL;
+    if (!jbuf_puts(&all, built->prefix) && !jbuf_put(&all, res->text ? res->text : "", res->text_len) &&
+        df_chat_parse(all.p, all.n, &po, &m, &err) == DF_OK)
+        msg = df_chat_message_to_json(&m);
+    df_chat_message_free(&m);
+    jbuf_free(&all);
+    return msg;
+}
+
 int cmd_generate(int argc, char **argv) {
-    const char *model = NULL, *prompt = NULL, *chat = NULL, *prompt_ids = NULL;
+    const char *model = NULL, *prompt = NULL, *chat = NULL, *messages = NULL, *prompt_ids = NULL, *drafter_dir = NULL;
     df_sampling_params sp = df_sampling_default();
-    int max_tokens = 256, threads = 0, json = 0;
+    int max_tokens = 256, threads = 0, json = 0, thinking = 0, stats = 0, no_draft = 0, window = 2048;
+    const char *device = "cpu";
+    df_spec_params spec = df_spec_params_default();
     const char *stops[DF_MAX_STOP];
     cli_list stop = {stops, 0, DF_MAX_STOP};
     cli_opt opts[] = {
         {"model", "DIR", CLI_STR, &model, "$DFLASH_MODEL, else the embedded demo model", "model pack folder", 0, 0, 0},
         {"prompt", "TEXT", CLI_STR, &prompt, "none", "raw prompt; special tokens like <|im_start|> are recognised", 0, 0, 0},
-        {"chat", "TEXT", CLI_STR, &chat, "none", "a user message, wrapped in ChatML with thinking off", 0, 0, 0},
+        {"chat", "TEXT", CLI_STR, &chat, "none", "a user message, rendered with the pack's chat template", 0, 0, 0},
+        {"messages", "FILE", CLI_STR, &messages, "none", "a chat request (JSON: a request body with messages, tools, ..., or a list of messages)", 0, 0, 0},
         {"prompt-ids", "IDS", CLI_STR, &prompt_ids, "none", "prompt as comma-separated token ids (1,2,3)", 0, 0, 0},
+        {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "with --chat / --messages: thinking on unless the request says otherwise", 0, 0, 0},
         {"temperature", "F", CLI_FLOAT, &sp.temperature, "0 (greedy)", "sampling temperature, 0 = greedy", 0, 2, 0},
         {"top-p", "F", CLI_FLOAT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass", 1e-6, 1, 0},
         {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 = off", 0, 1 << 30, 0},
@@ -81,18 +124,24 @@ int cmd_generate(int argc, char **argv) {
         {"max-tokens", "N", CLI_INT, &max_tokens, "256", "most tokens to generate, 0 = until the context is full", 0, 1 << 30, 0},
         {"stop", "S", CLI_LIST, &stop, "none", "stop string, not printed (up to 16)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
-        {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason} instead of streaming", 0, 0, 0},
+        {"device", "cpu|cuda", CLI_STR, &device, "cpu", "compute backend (cuda: the first NVIDIA GPU)", 0, 0, 0},
+        CLI_DRAFT_OPTIONS(drafter_dir, spec, window, no_draft),
+        {"stats", NULL, CLI_FLAG, &stats, "off", "print draft_rounds, draft_n, draft_n_accepted, tokens/round and acceptance to stderr", 0, 0, 0},
+        {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason, ...} instead of streaming", 0, 0, 0},
     };
-    cli_command cmd = {"generate", "(--prompt TEXT | --chat TEXT | --prompt-ids IDS) [options]",
-                       "Generates a continuation of a prompt and streams it to stdout (statistics go to stderr).",
+    cli_command cmd = {"generate", "(--prompt TEXT | --chat TEXT | --messages FILE | --prompt-ids IDS) [options]",
+                       "Generates a continuation of a prompt and streams it to stdout (statistics go to stderr).\n"
+                       "Chat prompts (--chat, --messages) are rendered with the pack's chat template.",
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
-    if (!!prompt + !!chat + !!prompt_ids != 1)
-        return cli_usage_error(&cmd, "give exactly one of --prompt, --chat and --prompt-ids");
+    if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
+        return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
+    if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec)) return CLI_EXIT_USAGE;
 
-    char dir[4096];
+    char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;
+    cli_model_id(dir, id, sizeof id);
     int32_t *ids = NULL;
     size_t n_ids = 0;
     if (prompt_ids && cli_parse_ids("--prompt-ids", prompt_ids, &ids, &n_ids)) return CLI_EXIT_USAGE;
@@ -100,26 +149,42 @@ int cmd_generate(int argc, char **argv) {
     df_error err = {0};
     df_engine *eng = NULL;
     df_session *sess = NULL;
-    char *rendered = NULL;
-    df_gen_result res;
-    memset(&res, 0, sizeof res);
+    df_drafter *drafter = NULL;
+    df_draft_state *ds = NULL;
+    df_chat_setup cs = {0};
+    df_api_request req = {0};
+    df_chat_built built = {0};
+    json_t *message = NULL;
+    df_gen_result res = {0};
     rc = CLI_EXIT_FAIL;
-    df_engine_options eo = {.n_threads = threads};
+    df_engine_options eo = {.n_threads = threads, .device = device};
     if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {
         cli_error("generate", "%s", err.msg);
         goto done;
     }
-    if (!ids) {
-        const char *text = prompt;
-        if (chat) {
-            const char *role = "user";
-            text = rendered = df_chatml_render(&role, &chat, 1, 0);
-            if (!rendered) {
-                cli_error("generate", "out of memory");
+    if (chat || messages) {
+        if (df_chat_setup_init(&cs, dir, df_engine_tokenizer(eng), thinking, &err)) {
+            cli_error("generate", "%s", err.msg);
+            goto done;
+        }
+        if (messages) {
+            if (cli_read_chat_request("generate", messages, id, df_engine_vocab_size(eng), &req)) goto done;
+        } else {
+            req.root = json_pack("{s:[{s:s, s:s}]}", "messages", "role", "user", "content", chat);
+            if (!req.root) {
+                cli_error("generate", "--chat: the text is not valid UTF-8");
                 goto done;
             }
         }
-        if (df_tokenizer_encode(df_engine_tokenizer(eng), text, strlen(text), 1, &ids, &n_ids, &err) != DF_OK) {
+        if (df_chat_build(&cs, req.root, req.tool_choice, req.tool_name, 1, &built, &err)) {
+            cli_error("generate", "%s", err.msg);
+            goto done;
+        }
+        ids = built.ids;
+        n_ids = built.n_ids;
+        built.ids = NULL;
+    } else if (!ids) {
+        if (df_tokenizer_encode(df_engine_tokenizer(eng), prompt, strlen(prompt), 1, &ids, &n_ids, &err) != DF_OK) {
             cli_error("generate", "%s", err.msg);
             goto done;
         }
@@ -140,38 +205,61 @@ int cmd_generate(int argc, char **argv) {
         cli_error("generate", "%s", err.msg);
         goto done;
     }
+    if (drafter_dir && (df_drafter_load(&drafter, drafter_dir, eng, &err) != DF_OK ||
+                        df_draft_state_init(&ds, drafter, window, &err) != DF_OK)) {
+        cli_error("generate", "drafter: %s", err.msg);
+        goto done;
+    }
     df_gen_params gp = df_gen_params_default();
     gp.sampling = sp;
     gp.max_tokens = max_tokens;
     for (int i = 0; i < stop.n; i++) gp.stop[i] = stop.items[i];
     gp.n_stop = stop.n;
+    int speculative = ds && !no_draft && sp.temperature == 0.0f && !df_sampling_has_processors(&sp);
+    if (ds && !no_draft && !speculative)
+        fprintf(stderr, "dflash generate: sampling (temperature > 0) is decoded plainly; speculative decoding is greedy only\n");
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     stream_ctx sc = {!json, 0, '\n'};
-    if (df_generate(sess, ids, (int)n_ids, &gp, on_text, &sc, &res, &err) != DF_OK) {
+    df_status st = speculative ? df_generate_speculative(sess, ds, ids, (int)n_ids, &gp, &spec, on_text, &sc, &res, &err)
+                               : df_generate(sess, ids, (int)n_ids, &gp, on_text, &sc, &res, &err);
+    if (st != DF_OK) {
         if (sc.printed && sc.last != '\n') putchar('\n');
         cli_error("generate", "%s", err.msg);
         goto done;
     }
+    if (req.root) message = parse_message(&built, &req, &res);
     if (json) {
-        rc = print_json(ids, n_ids, &res);
+        gen_output g = {ids, n_ids, &res, ds != NULL, message};
+        rc = print_json(&g);
     } else {
         if (sc.printed && sc.last != '\n') putchar('\n');
         fflush(stdout);
         double pms = res.prompt_ms, dms = res.decode_ms;
-        fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s\n",
+        fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s%s\n",
                 res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
-                dms > 0 ? res.n_ids * 1e3 / dms : 0.0, df_finish_reason_name(res.finish));
+                dms > 0 ? res.n_ids * 1e3 / dms : 0.0, df_finish_reason_name(res.finish),
+                speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }
+    if (stats)
+        fprintf(stderr, "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f%s\n",
+                res.draft_rounds, res.draft_n, res.draft_n_accepted,
+                res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0.0,
+                res.draft_n ? (double)res.draft_n_accepted / res.draft_n : 0.0, speculative ? "" : " (plain decoding)");
     if (res.finish == DF_FINISH_CANCELLED) rc = 130;
 done:
+    json_decref(message);
     df_gen_result_free(&res);
-    free(rendered);
+    df_chat_built_free(&built);
+    df_api_request_free(&req);
+    df_chat_setup_free(&cs);
     free(ids);
+    df_draft_state_free(ds);
+    df_drafter_free(drafter);
     df_session_free(sess);
     df_engine_free(eng);
     return rc;

@@ -1,8 +1,13 @@
-/* dflash command-line entry point: dflash serve | generate | tokenize. */
+/* dflash command-line entry point: dflash serve | generate | render | tokenize | synth | bench. */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli/cli.h"
+#include "cli/commands_gpu.h"
+
+/* synth and bench take argv[0] = their own name */
+static int cmd_synth(int argc, char **argv) { return df_cmd_synth(argc + 1, argv - 1); }
+static int cmd_bench(int argc, char **argv) { return df_cmd_bench(argc + 1, argv - 1); }
 
 static const struct {
     const char *name;
@@ -11,7 +16,10 @@ static const struct {
 } commands[] = {
     {"serve", cmd_serve, "serve the model over an OpenAI-compatible HTTP API"},
     {"generate", cmd_generate, "generate text from a prompt (streams to stdout, or --json)"},
+    {"render", cmd_render, "print the prompt a chat request renders to with the pack's chat template"},
     {"tokenize", cmd_tokenize, "encode text to token ids, or decode ids to text"},
+    {"synth", cmd_synth, "write a random pack with the exact shapes of a real one (e.g. --config 27b)"},
+    {"bench", cmd_bench, "measure decode, verify and speculative speed (also at a synthetic acceptance)"},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 

@@ -1,6 +1,8 @@
 /* dflash command line: option parsing, --help, model folder resolution (see cli.h). */
 #include "cli/cli.h"
 
+#include "dflash/speculative.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -229,5 +231,19 @@ int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
     }
     *ids = v;
     *n = k;
+    return 0;
+}
+
+int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec) {
+    if (!drafter)
+        for (int i = 0; i < cmd->n_opts; i++)
+            if (!strncmp(cmd->opts[i].name, "draft-", 6) && cmd->opts[i].given)
+                return cli_usage_error(cmd, "--%s needs --drafter", cmd->opts[i].name);
+    if (!drafter && no_draft) return cli_usage_error(cmd, "--no-draft needs --drafter");
+    if (!spec->adaptive && (cli_find(cmd, "draft-block-min")->given || cli_find(cmd, "draft-block-max")->given))
+        return cli_usage_error(cmd, "--draft-block-min and --draft-block-max need --draft-adaptive");
+    if (spec->block_min > spec->block_max)
+        return cli_usage_error(cmd, "--draft-block-min %d is above --draft-block-max %d", spec->block_min,
+                               spec->block_max);
     return 0;
 }

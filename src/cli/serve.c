@@ -1,4 +1,5 @@
-/* dflash serve: the OpenAI-compatible HTTP server on a loaded model. */
+/* dflash serve: the OpenAI-compatible HTTP server. */
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -7,7 +8,7 @@
 #include <time.h>
 
 #include "cli/cli.h"
-#include "dflash/engine.h"
+#include "dflash/speculative.h"
 #ifdef DFLASH_WITH_SERVER
 #include "dflash/server.h"
 #endif
@@ -24,11 +25,11 @@ static void log_line(void *user, const char *line) {
     fprintf(stderr, "%s %s\n", ts, line);
 }
 
-/* Serves until SIGINT or SIGTERM. The signals are blocked in every thread (the server's
- * threads inherit the mask) and taken here with sigwait, so shutdown runs in plain code. */
-static int serve(const char *dir, df_server_options *so, int threads) {
+/* Serves until SIGINT or SIGTERM (or until loading the model fails). The signals are
+ * blocked in every thread (the server's threads inherit the mask) and taken here with
+ * sigtimedwait, so shutdown runs in plain code. */
+static int serve(df_server_options *so) {
     df_error err = {0};
-    df_engine *eng = NULL;
     df_server *srv = NULL;
     int rc = CLI_EXIT_FAIL;
     sigset_t sigs;
@@ -38,59 +39,83 @@ static int serve(const char *dir, df_server_options *so, int threads) {
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
-    char line[512];
-    snprintf(line, sizeof line, "loading model '%s'", so->model_id);
-    log_line(NULL, line);
-    df_engine_options eo = {.n_threads = threads};
-    if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {
-        cli_error("serve", "%s", err.msg);
-        goto done;
-    }
     so->log = log_line;
-    if (df_server_init(&srv, eng, so, &err) != DF_OK || df_server_listen(srv, &err) != DF_OK) {
+    if (df_server_init(&srv, so, &err) != DF_OK || df_server_listen(srv, &err) != DF_OK) {
         cli_error("serve", "%s", err.msg);
         goto done;
     }
-    snprintf(line, sizeof line, "serving model '%s' on http://%s%s%s:%d (threads %d%s)", so->model_id,
-             strchr(so->host, ':') ? "[" : "", so->host, strchr(so->host, ':') ? "]" : "", df_server_port(srv),
-             df_engine_n_threads(eng), so->api_key ? ", API key required" : "");
+    char line[512];
+    snprintf(line, sizeof line, "listening on http://%s%s%s:%d%s; loading model '%s'", strchr(so->host, ':') ? "[" : "",
+             so->host, strchr(so->host, ':') ? "]" : "", df_server_port(srv), so->api_key ? " (API key required)" : "",
+             so->model_id);
     log_line(NULL, line);
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    log_line(NULL, sig == SIGINT ? "SIGINT: shutting down" : "SIGTERM: shutting down");
-    rc = CLI_EXIT_OK;
+    int announced = 0;
+    for (;;) {
+        struct timespec tick = {0, 50 * 1000 * 1000};
+        int sig = sigtimedwait(&sigs, NULL, &tick);
+        if (sig == SIGINT || sig == SIGTERM) {
+            log_line(NULL, sig == SIGINT ? "SIGINT: shutting down" : "SIGTERM: shutting down");
+            rc = CLI_EXIT_OK;
+            break;
+        }
+        df_server_state st = df_server_get_state(srv);
+        if (st == DF_SERVER_FAILED) {
+            cli_error("serve", "%s", df_server_load_error(srv));
+            break;
+        }
+        if (st == DF_SERVER_READY && !announced) {
+            announced = 1;
+            snprintf(line, sizeof line, "serving model '%s' on port %d", so->model_id, df_server_port(srv));
+            log_line(NULL, line);
+        }
+    }
 done:
     df_server_free(srv);
-    df_engine_free(eng);
     if (rc == CLI_EXIT_OK) log_line(NULL, "stopped");
     return rc;
 }
 #endif
 
 int cmd_serve(int argc, char **argv) {
-    const char *model = NULL, *host = "127.0.0.1", *model_id = NULL, *api_key = NULL;
-    int port = 8080, threads = 0, ctx_size = 0, max_tokens = 0;
-    size_t max_body = (size_t)8 << 20;
+    const char *model = NULL, *host = "127.0.0.1", *model_id = NULL, *api_key = NULL, *drafter = NULL;
+    int port = 8080, threads = 0, ctx_size = 0, max_tokens = 0, queue = 16, top_k = 20, thinking = 0;
+    const char *device = "cpu";
+    int window = 2048, no_draft = 0, test_hooks = 0, timeout = 30, max_conn = 64;
+    size_t max_body = (size_t)8 << 20, max_header = (size_t)32 << 10;
+    df_spec_params spec = df_spec_params_default();
     cli_opt opts[] = {
         {"model", "DIR", CLI_STR, &model, "$DFLASH_MODEL, else the embedded demo model", "model pack folder", 0, 0, 0},
         {"host", "ADDR", CLI_STR, &host, "127.0.0.1", "address to listen on; a non-loopback one requires --api-key", 0, 0, 0},
         {"port", "N", CLI_INT, &port, "8080", "TCP port (0 = any free port)", 0, 65535, 0},
         {"model-id", "ID", CLI_STR, &model_id, "the model folder's name", "model name in the API", 0, 0, 0},
+        {"api-key", "KEY", CLI_STR, &api_key, "$DFLASH_API_KEY, else none", "require 'Authorization: Bearer KEY' (not on /health)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
+        {"device", "cpu|cuda", CLI_STR, &device, "cpu", "compute backend (cuda: the first NVIDIA GPU)", 0, 0, 0},
         {"ctx-size", "N", CLI_INT, &ctx_size, "0 (the model's context, at most 32768)", "context positions per request (prompt + completion)", 0, 1 << 30, 0},
         {"max-tokens", "N", CLI_INT, &max_tokens, "0 (until the context is full)", "default and upper limit of completion tokens per request", 0, 1 << 30, 0},
+        {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "thinking on for chat requests that do not set enable_thinking", 0, 0, 0},
+        {"top-logprobs-k", "N", CLI_INT, &top_k, "20", "largest top_logprobs a request may ask for", 0, 20, 0},
+        {"queue", "N", CLI_INT, &queue, "16", "requests that may wait while one generates; more get 503", 0, 1 << 20, 0},
+        CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft),
         {"max-body", "BYTES", CLI_SIZE, &max_body, "8388608 (8 MiB)", "largest request body; larger ones get 413", 1024, 1073741824.0, 0},
-        {"api-key", "KEY", CLI_STR, &api_key, "$DFLASH_API_KEY, else none", "require 'Authorization: Bearer KEY' (not on /health)", 0, 0, 0},
+        {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
+        {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
+        {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
+        {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",
-                       "Serves the model over an OpenAI-compatible HTTP API: GET /v1/models, POST /v1/chat/completions,\n"
-                       "GET /health. One request generates at a time; SIGINT or SIGTERM shut it down cleanly.",
+                       "Serves the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions\n"
+                       "(streaming and not), GET /v1/models, GET /health, GET /metrics. The socket opens at once and the model\n"
+                       "loads in the background (/health answers 503 until it is ready). One request generates at a time;\n"
+                       "others wait in a FIFO queue. SIGINT or SIGTERM shut it down cleanly.",
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
+    if (cli_check_draft_options(&cmd, drafter, no_draft, &spec)) return CLI_EXIT_USAGE;
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
-    (void)max_tokens, (void)max_body;
+    (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;
+    (void)no_draft, (void)test_hooks, (void)timeout, (void)max_conn;
     cli_error("serve", "this dflash was built without the HTTP server (cmake -DDFLASH_SERVER=OFF)");
     return CLI_EXIT_FAIL;
 #else
@@ -111,9 +136,23 @@ int cmd_serve(int argc, char **argv) {
     so.port = port;
     so.model_id = model_id;
     so.api_key = api_key;
+    so.model_dir = dir;
+    so.n_threads = threads;
+    so.device = device;
     so.ctx_size = ctx_size;
     so.max_tokens = max_tokens;
+    so.enable_thinking = thinking;
+    so.top_logprobs_k = top_k;
+    so.queue = queue;
+    so.drafter_dir = drafter;
+    so.spec = spec;
+    so.draft_window = window;
+    so.no_draft = no_draft;
     so.max_body = max_body;
-    return serve(dir, &so, threads);
+    so.max_header = max_header;
+    so.max_connections = (unsigned)max_conn;
+    so.timeout_s = (unsigned)timeout;
+    so.test_hooks = test_hooks;
+    return serve(&so);
 #endif
 }

@@ -76,6 +76,9 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
         if (processors)
             df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
         int32_t id = df_sampler_sample(&sm, logits, V);
+        if (out.n_ids < params->n_forced_ids && params->forced_ids[out.n_ids] >= 0 &&
+            params->forced_ids[out.n_ids] < V)
+            id = params->forced_ids[out.n_ids];
         if (params->logprobs) {
             df_token_info info;
             df_token_info_compute(&info, logits, V, id, params->top_logprobs);

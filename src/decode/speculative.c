@@ -146,7 +146,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     const int V = eng->pack->cfg.vocab_size;
     const df_drafter_config *dc = df_drafter_get_config(df_draft_state_drafter(ds));
     df_spec_params sp = sp_in ? *sp_in : df_spec_params_default();
-    if (params->sampling.temperature > 0.0f)
+    if (params->sampling.temperature > 0.0f || params->n_forced_ids > 0)
         return df_error_set(err, DF_ERR_INVALID_ARG, "speculative decoding serves greedy requests only");
     if (sp.block == 0) sp.block = dc->block_size < DF_MAX_ROWS ? dc->block_size : DF_MAX_ROWS;
     if (sp.block_min == 0) sp.block_min = 2;

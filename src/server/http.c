@@ -4,8 +4,11 @@
  * and dropped (so a client that sends a large body without waiting still gets its 413),
  * up to a drain limit after which the connection is answered and closed at once. A client
  * that sends "Expect: 100-continue" with a Content-Length above the limit gets its 413
- * before sending the body. Each request then goes to df_server_handle and one line is
- * logged.
+ * before sending the body. Each request then goes to df_server_handle; a streamed answer is
+ * a chunked response whose reader blocks (in the connection's own thread) on the stream.
+ * Request headers are bounded by the connection's memory limit (max_header): larger ones
+ * get 431 from libmicrohttpd. Idle connections (a slow client sending nothing) are closed
+ * after timeout_s.
  */
 #include "server/server_impl.h"
 
@@ -30,37 +33,14 @@ typedef struct conn_ctx {
     size_t len, cap;
     size_t received;        /* all body bytes seen, kept or not */
     int too_large;
-    struct timespec t0;
+    int timeout_off;        /* the idle timeout is suspended while the answer is produced */
     struct MHD_Connection *conn;
 } conn_ctx;
-
-static double ms_since(const struct timespec *t0) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
-}
 
 /* Bytes read and dropped past max_body before the connection is closed instead. */
 static size_t drain_limit(const df_server *srv) {
     size_t lim = srv->opt.max_body * 4;
     return lim < ((size_t)32 << 20) ? ((size_t)32 << 20) : lim;
-}
-
-/* The client hung up (it cannot read the answer any more): stop generating for it. */
-static int client_gone(void *user) {
-    conn_ctx *ctx = user;
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return 0;
-    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return 0;
-    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
-}
-
-/* A printable copy of an untrusted string for the log. */
-static void printable(const char *in, char *out, size_t cap) {
-    size_t o = 0;
-    for (; in && *in && o + 1 < cap; in++) out[o++] = (*in >= 0x20 && *in < 0x7f) ? *in : '?';
-    out[o] = 0;
 }
 
 static void client_address(struct MHD_Connection *conn, char *out, size_t cap) {
@@ -74,42 +54,50 @@ static void client_address(struct MHD_Connection *conn, char *out, size_t cap) {
         inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr, out, (socklen_t)cap);
 }
 
-static void log_request(const df_server *srv, conn_ctx *ctx, const char *method, const char *url,
-                        const df_http_response *r) {
-    char m[24], path[200], addr[64], gen[160] = "";
-    printable(method, m, sizeof m);
-    printable(url, path, sizeof path);
-    client_address(ctx->conn, addr, sizeof addr);
-    if (r->prompt_tokens >= 0)
-        snprintf(gen, sizeof gen, " prompt=%d completion=%d%s%s gen=%.1fms (%.1f tok/s)", r->prompt_tokens,
-                 r->completion_tokens, r->finish ? " finish=" : "", r->finish ? r->finish : "", r->gen_ms,
-                 r->gen_ms > 0 ? r->completion_tokens * 1000.0 / r->gen_ms : 0.0);
-    df_server_log(srv, "%s %s %s %d %.1fms%s%s%s", addr, m, path, r->status, ms_since(&ctx->t0), gen,
-                  r->note[0] ? " : " : "", r->note);
+/* Streamed bodies: the SSE bytes of a df_server_stream. Runs in the connection's own thread,
+ * where blocking until the generator produced more is allowed. */
+static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    size_t n = df_server_stream_read(cls, buf, max);
+    return n ? (ssize_t)n : MHD_CONTENT_READER_END_OF_STREAM;
 }
 
-static enum MHD_Result send_response(df_server *srv, conn_ctx *ctx, const char *method, const char *url,
-                                     df_http_response *r) {
-    log_request(srv, ctx, method, url, r);
+static void close_stream(void *cls) { df_server_stream_close(cls); }
+
+static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
     struct MHD_Response *resp;
-    if (r->body) {
+    if (r->stream) {
+        resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read_stream, r->stream, close_stream);
+        if (resp) r->stream = NULL; /* owned by MHD now: closed by close_stream */
+    } else if (r->body) {
         resp = MHD_create_response_from_buffer(r->body_len, r->body, MHD_RESPMEM_MUST_FREE);
         if (resp) r->body = NULL;   /* owned by MHD now */
     } else {
         resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
     }
+    const char *ctype = r->content_type ? r->content_type : "application/json";
+    int is_stream = resp && !r->body && strncmp(ctype, "text/event-stream", 17) == 0;
     df_http_response_free(r);
     if (!resp) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, r->content_type ? r->content_type : "application/json");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (is_stream) MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     if (r->allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, r->allow);
     if (r->x_dflash) MHD_add_response_header(resp, "x-dflash", r->x_dflash);
     if (r->www_authenticate) MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (r->retry_after > 0) {
+        char v[16];
+        snprintf(v, sizeof v, "%d", r->retry_after);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, v);
+    }
     enum MHD_Result ret = MHD_queue_response(ctx->conn, (unsigned)r->status, resp);
     MHD_destroy_response(resp);
     return ret;
 }
 
 static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, const char *method) {
+    char client[64];
+    client_address(ctx->conn, client, sizeof client);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     df_http_request req = {
         .method = method,
         .path = url,
@@ -117,12 +105,17 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
         .body = ctx->body,
         .body_len = ctx->len,
         .body_too_large = ctx->too_large,
-        .client_gone = client_gone,
-        .client_user = ctx,
+        .client_fd = ci ? ci->connect_fd : -1,
+        .client = client,
     };
+    /* The idle timeout guards against slow clients while a request is being read; while its
+     * answer is generated (or waits in the queue) the connection is silent on purpose, so the
+     * timeout is off until the request completes (on_completed turns it back on). */
+    MHD_set_connection_option(ctx->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    ctx->timeout_off = 1;
     df_http_response r;
     df_server_handle(srv, &req, &r);
-    return send_response(srv, ctx, method, url, &r);
+    return send_response(ctx, &r);
 }
 
 static void keep_body(df_server *srv, conn_ctx *ctx, const char *data, size_t n) {
@@ -165,7 +158,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!ctx) return MHD_NO;
         ctx->conn = conn;
         atomic_fetch_add(&srv->in_flight, 1);
-        clock_gettime(CLOCK_MONOTONIC, &ctx->t0);
         *con_cls = ctx;
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
@@ -192,10 +184,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
-    (void)conn, (void)toe;
     df_server *srv = cls;
     conn_ctx *ctx = *con_cls;
     if (ctx) {
+        if (ctx->timeout_off && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
+            MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, srv->opt.timeout_s);
         atomic_fetch_sub(&srv->in_flight, 1);
         free(ctx->body);
         free(ctx);
@@ -268,13 +261,20 @@ df_status df_server_listen(df_server *srv, df_error *err) {
         flags, (uint16_t)port, NULL, NULL, on_request, srv, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, srv,
         MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT, srv->opt.max_connections,
         MHD_OPTION_CONNECTION_TIMEOUT, srv->opt.timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
-        MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->opt.max_header, MHD_OPTION_END);
     if (!d) {
         close(fd);
         return df_error_set(err, DF_ERR_IO, "server: cannot start the HTTP daemon on %s:%d", srv->host, port);
     }
     srv->daemon = d;
     srv->bound_port = port;
+    /* the socket is up: load the model and serve the queue in the background */
+    if (pthread_create(&srv->worker, NULL, df_worker_main, srv) != 0) {
+        MHD_stop_daemon(d);
+        srv->daemon = NULL;
+        return df_error_set(err, DF_ERR_NOMEM, "server: cannot start the generation thread");
+    }
+    srv->worker_started = 1;
     return DF_OK;
 }
 
@@ -284,6 +284,13 @@ void df_server_stop(df_server *srv) {
     if (!srv || !srv->daemon) return;
     atomic_store(&srv->stopping, 1);   /* cancels a generation in progress; new requests get 503 */
     MHD_socket listener = MHD_quiesce_daemon(srv->daemon);
+    if (srv->worker_started) {         /* waiting requests are answered 503; the running one stops */
+        pthread_mutex_lock(&srv->qlock);
+        pthread_cond_broadcast(&srv->qcond);
+        pthread_mutex_unlock(&srv->qlock);
+        pthread_join(srv->worker, NULL);
+        srv->worker_started = 0;
+    }
     for (int waited_ms = 0; atomic_load(&srv->in_flight) > 0 && waited_ms < STOP_GRACE_MS; waited_ms += 10) {
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);

@@ -1,4 +1,4 @@
-/* dflash server: OpenAI request validation and error objects (see openai.h).
+/* dflash server: OpenAI request validation, error objects and response pieces (see openai.h).
  *
  * Validation follows the OpenAI API's behaviour: unknown fields are ignored, a known field
  * with the wrong type or an out-of-range value is a 400 naming the field in "param"
@@ -6,6 +6,7 @@
  */
 #include "server/openai.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -13,11 +14,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "text/jinja_internal.h"
+
 int df_api_error_set(df_api_error *e, int status, const char *type, const char *code, const char *param,
                      const char *fmt, ...) {
     e->status = status;
     e->type = type;
     e->code = code;
+    e->n_prompt_tokens = e->n_ctx = 0;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
@@ -38,6 +42,10 @@ json_t *df_api_error_json(const df_api_error *e) {
     json_object_set_new(inner, "type", json_string(e->type ? e->type : "invalid_request_error"));
     json_object_set_new(inner, "code", e->code ? json_string(e->code) : json_null());
     json_object_set_new(inner, "param", e->param[0] ? df_json_text(e->param, strlen(e->param)) : json_null());
+    if (e->n_prompt_tokens > 0) {
+        json_object_set_new(inner, "n_prompt_tokens", json_integer(e->n_prompt_tokens));
+        json_object_set_new(inner, "n_ctx", json_integer(e->n_ctx));
+    }
     json_object_set_new(outer, "error", inner);
     return outer;
 }
@@ -60,6 +68,8 @@ json_t *df_json_text(const char *text, size_t len) {
 
 /* ---- field validators ------------------------------------------------------------------ */
 
+#define INVALID "invalid_request_error"
+
 static const char *json_type_name(const json_t *v) {
     switch (json_typeof(v)) {
     case JSON_OBJECT: return "an object";
@@ -75,61 +85,55 @@ static const char *json_type_name(const json_t *v) {
 }
 
 static int type_error(df_api_error *e, const char *param, const char *expected, const json_t *got) {
-    return df_api_error_set(e, 400, "invalid_request_error", "invalid_type", param,
+    return df_api_error_set(e, 400, INVALID, "invalid_type", param,
                             "Invalid type for '%s': expected %s, but got %s instead.", param, expected,
                             json_type_name(got));
 }
 
 static int missing_error(df_api_error *e, const char *param) {
-    return df_api_error_set(e, 400, "invalid_request_error", "missing_required_parameter", param,
-                            "Missing required parameter: '%s'.", param);
+    return df_api_error_set(e, 400, INVALID, "missing_required_parameter", param, "Missing required parameter: '%s'.",
+                            param);
 }
 
-static int value_error(df_api_error *e, const char *param, const char *fmt, double got) {
-    char expect[160];
-    snprintf(expect, sizeof expect, fmt, got);
-    return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param, "Invalid '%s': %s", param,
-                            expect);
+static int unsupported(df_api_error *e, const char *param, const char *what) {
+    return df_api_error_set(e, 400, INVALID, "unsupported_value", param, "%s is not supported by this server.", what);
 }
 
-/* The string field key of obj (param names it in errors); NULL with e set when it is
- * missing, null or not a string. */
-static json_t *required_string(json_t *obj, const char *key, const char *param, df_api_error *e) {
+/* A field that is absent or null counts as omitted: returns NULL. */
+static json_t *field(const json_t *obj, const char *key) {
     json_t *v = json_object_get(obj, key);
-    if (!v || json_is_null(v)) missing_error(e, param);
+    return (v && !json_is_null(v)) ? v : NULL;
+}
+
+/* The string field key of obj; NULL with e set when it is missing, null or not a string. */
+static json_t *required_string(const json_t *obj, const char *key, const char *param, df_api_error *e) {
+    json_t *v = field(obj, key);
+    if (!v) missing_error(e, param);
     else if (!json_is_string(v)) type_error(e, param, "a string", v);
     else return v;
     return NULL;
 }
 
-/* A field that is absent or null counts as omitted: returns NULL. */
-static json_t *field(json_t *root, const char *name) {
-    json_t *v = json_object_get(root, name);
-    return (v && !json_is_null(v)) ? v : NULL;
-}
-
 /* A number field in [lo, hi] (lo excluded when lo_open). *out untouched when omitted. */
-static int get_number(json_t *root, const char *name, double lo, int lo_open, double hi, float *out,
-                      df_api_error *e) {
-    json_t *v = field(root, name);
+static int get_number(const json_t *obj, const char *key, const char *param, double lo, int lo_open, double hi,
+                      float *out, df_api_error *e) {
+    json_t *v = field(obj, key);
     if (!v) return 0;
-    if (!json_is_number(v)) return type_error(e, name, "a number", v);
+    if (!json_is_number(v)) return type_error(e, param, "a number", v);
     double x = json_number_value(v);
-    if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi) {
-        char fmt[128];
-        snprintf(fmt, sizeof fmt, "expected a value %s %g and <= %g, but got %%g instead.", lo_open ? ">" : ">=",
-                 lo, hi);
-        return value_error(e, name, fmt, x);
-    }
+    if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi)
+        return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                "Invalid '%s': expected a value %s %g and <= %g, but got %g instead.", param,
+                                lo_open ? ">" : ">=", lo, hi, x);
     *out = (float)x;
     return 0;
 }
 
 /* An integer field in [lo, hi] (a real with an integral value counts). *given set to 1
  * when present. */
-static int get_integer(json_t *root, const char *name, long long lo, long long hi, long long *out, int *given,
-                       df_api_error *e) {
-    json_t *v = field(root, name);
+static int get_integer(const json_t *obj, const char *key, const char *param, long long lo, long long hi,
+                       long long *out, int *given, df_api_error *e) {
+    json_t *v = field(obj, key);
     if (!v) return 0;
     long long x;
     if (json_is_integer(v)) {
@@ -138,101 +142,100 @@ static int get_integer(json_t *root, const char *name, long long lo, long long h
                fabs(json_real_value(v)) < 9.0e15) {
         x = (long long)json_real_value(v);
     } else {
-        return type_error(e, name, "an integer", v);
+        return type_error(e, param, "an integer", v);
     }
-    if (x < lo || x > hi) {
-        char fmt[128];
-        snprintf(fmt, sizeof fmt, "expected an integer >= %lld and <= %lld, but got %%.0f instead.", lo, hi);
-        return value_error(e, name, fmt, (double)x);
-    }
+    if (x < lo || x > hi)
+        return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                "Invalid '%s': expected an integer >= %lld and <= %lld, but got %lld instead.",
+                                param, lo, hi, x);
     *out = x;
     if (given) *given = 1;
     return 0;
 }
 
-static int get_bool(json_t *root, const char *name, int *out, df_api_error *e) {
-    json_t *v = field(root, name);
+static int get_bool(const json_t *obj, const char *key, const char *param, int *out, df_api_error *e) {
+    json_t *v = field(obj, key);
     if (!v) return 0;
-    if (!json_is_boolean(v)) return type_error(e, name, "a boolean", v);
+    if (!json_is_boolean(v)) return type_error(e, param, "a boolean", v);
     *out = json_is_true(v);
     return 0;
 }
 
-static int unsupported(df_api_error *e, const char *param, const char *what) {
-    return df_api_error_set(e, 400, "invalid_request_error", "unsupported_value", param,
-                            "%s is not supported by this server yet.", what);
-}
-
-/* ---- messages -------------------------------------------------------------------------- */
-
-/* Accepted roles and the name each renders as. */
-static const char *render_role(const char *role) {
-    static const char *const roles[][2] = {
-        {"system", "system"}, {"developer", "system"}, {"user", "user"}, {"assistant", "assistant"}, {"tool", "tool"},
-    };
-    for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
-        if (strcmp(role, roles[i][0]) == 0) return roles[i][1];
-    return NULL;
-}
-
-/* The text of a message's content: a string or a list of {"type": "text", "text": ...}
- * parts (concatenated as they are, as the Qwen chat template does). */
-static int message_text(json_t *content, int i, char **out, df_api_error *e) {
-    char param[96];
-    snprintf(param, sizeof param, "messages[%d].content", i);
-    if (json_is_string(content)) {
-        *out = strndup(json_string_value(content), json_string_length(content));
-        if (!*out) return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-        return 0;
-    }
-    if (!json_is_array(content)) return type_error(e, param, "a string or an array of content parts", content);
-    size_t total = 0, n = json_array_size(content);
-    for (size_t j = 0; j < n; j++) {
-        json_t *part = json_array_get(content, j);
-        snprintf(param, sizeof param, "messages[%d].content[%zu]", i, j);
-        if (!json_is_object(part)) return type_error(e, param, "an object", part);
-        snprintf(param, sizeof param, "messages[%d].content[%zu].type", i, j);
-        json_t *type = required_string(part, "type", param, e);
-        if (!type) return -1;
-        if (strcmp(json_string_value(type), "text") != 0) {
-            if (strcmp(json_string_value(type), "image_url") == 0) return unsupported(e, param, "Image content");
-            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
-                                    "Invalid value: '%.64s'. Supported values are: 'text'.", json_string_value(type));
-        }
-        snprintf(param, sizeof param, "messages[%d].content[%zu].text", i, j);
-        json_t *text = required_string(part, "text", param, e);
-        if (!text) return -1;
-        total += json_string_length(text);
-    }
-    char *buf = malloc(total + 1);
-    if (!buf) return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-    size_t o = 0;
-    for (size_t j = 0; j < n; j++) {
-        json_t *text = json_object_get(json_array_get(content, j), "text");
-        memcpy(buf + o, json_string_value(text), json_string_length(text));
-        o += json_string_length(text);
-    }
-    buf[o] = 0;
-    *out = buf;
+static int get_string(const json_t *obj, const char *key, const char *param, const char **out, df_api_error *e) {
+    json_t *v = field(obj, key);
+    if (!v) return 0;
+    if (!json_is_string(v)) return type_error(e, param, "a string", v);
+    *out = json_string_value(v);
     return 0;
 }
 
-static int parse_messages(df_chat_request *req, df_api_error *e) {
-    json_t *msgs = json_object_get(req->root, "messages");
-    if (!msgs || json_is_null(msgs))
-        return missing_error(e, "messages");
+
+/* ---- messages -------------------------------------------------------------------------- */
+
+static int known_role(const char *role) {
+    static const char *const roles[] = {"system", "developer", "user", "assistant", "tool"};
+    for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
+        if (strcmp(role, roles[i]) == 0) return 1;
+    return 0;
+}
+
+static int check_content_parts(const json_t *content, size_t i, df_api_error *e) {
+    char param[96];
+    size_t j;
+    json_t *part;
+    json_array_foreach(content, j, part) {
+        snprintf(param, sizeof param, "messages[%zu].content[%zu]", i, j);
+        if (!json_is_object(part)) return type_error(e, param, "an object", part);
+        snprintf(param, sizeof param, "messages[%zu].content[%zu].type", i, j);
+        json_t *type = required_string(part, "type", param, e);
+        if (!type) return -1;
+        const char *t = json_string_value(type);
+        if (!strcmp(t, "image_url") || !strcmp(t, "input_audio") || !strcmp(t, "file"))
+            return unsupported(e, param, "Image, audio and file content");
+        if (strcmp(t, "text") != 0)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                    "Invalid value: '%.64s'. Supported values are: 'text'.", t);
+        snprintf(param, sizeof param, "messages[%zu].content[%zu].text", i, j);
+        if (!required_string(part, "text", param, e)) return -1;
+    }
+    return 0;
+}
+
+static int check_tool_calls(const json_t *calls, size_t i, df_api_error *e) {
+    char param[96];
+    snprintf(param, sizeof param, "messages[%zu].tool_calls", i);
+    if (!json_is_array(calls)) return type_error(e, param, "an array", calls);
+    size_t j;
+    json_t *call;
+    json_array_foreach(calls, j, call) {
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu]", i, j);
+        if (!json_is_object(call)) return type_error(e, param, "an object", call);
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu].function", i, j);
+        json_t *fn = field(call, "function");
+        if (!fn) return missing_error(e, param);
+        if (!json_is_object(fn)) return type_error(e, param, "an object", fn);
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu].function.name", i, j);
+        if (!required_string(fn, "name", param, e)) return -1;
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu].function.arguments", i, j);
+        json_t *args = field(fn, "arguments");
+        if (args && !json_is_string(args) && !json_is_object(args))
+            return type_error(e, param, "a string or an object", args);
+    }
+    return 0;
+}
+
+static int check_messages(const json_t *root, df_api_error *e) {
+    json_t *msgs = field(root, "messages");
+    if (!msgs) return missing_error(e, "messages");
     if (!json_is_array(msgs)) return type_error(e, "messages", "an array", msgs);
     size_t n = json_array_size(msgs);
     if (n == 0)
-        return df_api_error_set(e, 400, "invalid_request_error", "empty_array", "messages",
+        return df_api_error_set(e, 400, INVALID, "empty_array", "messages",
                                 "Invalid 'messages': empty array. Expected an array with minimum length 1, "
                                 "but got an empty array instead.");
     if (n > 100000)
-        return df_api_error_set(e, 400, "invalid_request_error", "array_above_max_length", "messages",
+        return df_api_error_set(e, 400, INVALID, "array_above_max_length", "messages",
                                 "Invalid 'messages': too many messages (%zu).", n);
-    req->roles = calloc(n, sizeof *req->roles);
-    req->contents = calloc(n, sizeof *req->contents);
-    if (!req->roles || !req->contents) return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(msgs, i);
         char param[96];
@@ -241,33 +244,145 @@ static int parse_messages(df_chat_request *req, df_api_error *e) {
         snprintf(param, sizeof param, "messages[%zu].role", i);
         json_t *role = required_string(m, "role", param, e);
         if (!role) return -1;
-        const char *rendered = render_role(json_string_value(role));
-        if (!rendered)
-            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
+        const char *r = json_string_value(role);
+        if (!known_role(r))
+            return df_api_error_set(e, 400, INVALID, "invalid_value", param,
                                     "Invalid value: '%.64s'. Supported values are: 'system', 'developer', "
                                     "'user', 'assistant' and 'tool'.",
-                                    json_string_value(role));
-        req->roles[i] = rendered;
+                                    r);
+        int assistant = !strcmp(r, "assistant");
         json_t *content = field(m, "content");
+        snprintf(param, sizeof param, "messages[%zu].content", i);
         if (!content) {
-            /* An assistant turn may carry only tool calls. */
-            if (strcmp(rendered, "assistant") != 0) {
-                snprintf(param, sizeof param, "messages[%zu].content", i);
-                return missing_error(e, param);
-            }
-            req->contents[i] = strdup("");
-            if (!req->contents[i]) return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-        } else if (message_text(content, (int)i, &req->contents[i], e)) {
-            return -1;
+            if (!assistant) return missing_error(e, param); /* an assistant turn may carry only tool calls */
+        } else if (json_is_array(content)) {
+            if (check_content_parts(content, i, e)) return -1;
+        } else if (!json_is_string(content)) {
+            return type_error(e, param, "a string or an array of content parts", content);
         }
-        req->n_messages = (int)i + 1;
+        json_t *calls = field(m, "tool_calls");
+        if (calls && check_tool_calls(calls, i, e)) return -1;
+        static const char *const strings[] = {"reasoning_content", "name", "tool_call_id"};
+        for (size_t k = 0; k < sizeof strings / sizeof strings[0]; k++) {
+            snprintf(param, sizeof param, "messages[%zu].%s", i, strings[k]);
+            const char *dummy;
+            if (get_string(m, strings[k], param, &dummy, e)) return -1;
+        }
     }
     return 0;
 }
 
-/* ---- sampling and limits --------------------------------------------------------------- */
+/* ---- tools ----------------------------------------------------------------------------- */
 
-static int parse_stop(df_chat_request *req, df_api_error *e) {
+/* OpenAI's rule for function names: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'. */
+static int valid_function_name(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n > 64) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+static int bad_name(df_api_error *e, const char *param, const char *name) {
+    return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                            "Invalid '%s': '%.80s' is not a valid function name (1 to 64 characters: a-z, A-Z, "
+                            "0-9, '_' and '-').",
+                            param, name);
+}
+
+static int parse_tools(df_api_request *req, df_api_error *e) {
+    json_t *tools = field(req->root, "tools");
+    if (tools && !json_is_array(tools)) return type_error(e, "tools", "an array", tools);
+    if (tools && json_array_size(tools) > 128)
+        return df_api_error_set(e, 400, INVALID, "array_above_max_length", "tools",
+                                "Invalid 'tools': expected at most 128 tools, but got %zu.", json_array_size(tools));
+    size_t i;
+    json_t *t;
+    char param[96];
+    json_array_foreach(tools, i, t) {
+        snprintf(param, sizeof param, "tools[%zu]", i);
+        if (!json_is_object(t)) return type_error(e, param, "an object", t);
+        snprintf(param, sizeof param, "tools[%zu].type", i);
+        json_t *type = required_string(t, "type", param, e);
+        if (!type) return -1;
+        if (strcmp(json_string_value(type), "function") != 0)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                    "Invalid value: '%.64s'. Supported values are: 'function'.",
+                                    json_string_value(type));
+        snprintf(param, sizeof param, "tools[%zu].function", i);
+        json_t *fn = field(t, "function");
+        if (!fn) return missing_error(e, param);
+        if (!json_is_object(fn)) return type_error(e, param, "an object", fn);
+        snprintf(param, sizeof param, "tools[%zu].function.name", i);
+        json_t *name = required_string(fn, "name", param, e);
+        if (!name) return -1;
+        if (!valid_function_name(json_string_value(name))) return bad_name(e, param, json_string_value(name));
+        snprintf(param, sizeof param, "tools[%zu].function.description", i);
+        const char *d;
+        if (get_string(fn, "description", param, &d, e)) return -1;
+        snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
+        json_t *params = field(fn, "parameters");
+        if (params && !json_is_object(params)) return type_error(e, param, "an object", params);
+    }
+    req->tools = tools && json_array_size(tools) > 0 ? tools : NULL;
+
+    int parallel = 1;
+    if (get_bool(req->root, "parallel_tool_calls", "parallel_tool_calls", &parallel, e)) return -1;
+
+    json_t *choice = field(req->root, "tool_choice");
+    req->tool_choice = req->tools ? DF_TOOL_CHOICE_AUTO : DF_TOOL_CHOICE_NONE;
+    if (!choice) return 0;
+    if (json_is_string(choice)) {
+        const char *c = json_string_value(choice);
+        if (!strcmp(c, "none")) req->tool_choice = DF_TOOL_CHOICE_NONE;
+        else if (!strcmp(c, "auto")) req->tool_choice = req->tools ? DF_TOOL_CHOICE_AUTO : DF_TOOL_CHOICE_NONE;
+        else if (!strcmp(c, "required")) req->tool_choice = DF_TOOL_CHOICE_REQUIRED;
+        else
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "tool_choice",
+                                    "Invalid value: '%.64s'. Supported values are: 'none', 'auto', 'required' or "
+                                    "{\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                                    c);
+    } else if (json_is_object(choice)) {
+        json_t *type = required_string(choice, "type", "tool_choice.type", e);
+        if (!type) return -1;
+        if (strcmp(json_string_value(type), "function") != 0)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "tool_choice.type",
+                                    "Invalid value: '%.64s'. Supported values are: 'function'.",
+                                    json_string_value(type));
+        json_t *fn = field(choice, "function");
+        if (!fn) return missing_error(e, "tool_choice.function");
+        if (!json_is_object(fn)) return type_error(e, "tool_choice.function", "an object", fn);
+        json_t *name = required_string(fn, "name", "tool_choice.function.name", e);
+        if (!name) return -1;
+        req->tool_choice = DF_TOOL_CHOICE_NAMED;
+        req->tool_name = json_string_value(name);
+    } else {
+        return type_error(e, "tool_choice", "a string or an object", choice);
+    }
+    if (req->tool_choice >= DF_TOOL_CHOICE_REQUIRED && !req->tools)
+        return df_api_error_set(e, 400, INVALID, "invalid_value", "tool_choice",
+                                "Invalid 'tool_choice': '%s' needs a non-empty 'tools' list.",
+                                req->tool_choice == DF_TOOL_CHOICE_NAMED ? "a named function" : "required");
+    if (req->tool_choice == DF_TOOL_CHOICE_NAMED) {
+        int found = 0;
+        json_array_foreach(req->tools, i, t) {
+            const char *n = json_string_value(json_object_get(json_object_get(t, "function"), "name"));
+            if (n && !strcmp(n, req->tool_name)) found = 1;
+        }
+        if (!found)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "tool_choice.function.name",
+                                    "Invalid 'tool_choice': the function '%.64s' is not among the request's tools.",
+                                    req->tool_name);
+    }
+    return 0;
+}
+
+/* ---- sampling, limits, output options --------------------------------------------------- */
+
+static int parse_stop(df_api_request *req, df_api_error *e) {
     json_t *stop = field(req->root, "stop");
     if (!stop) return 0;
     if (json_is_string(stop)) {
@@ -278,7 +393,7 @@ static int parse_stop(df_chat_request *req, df_api_error *e) {
     }
     if (!json_is_array(stop)) return type_error(e, "stop", "a string or an array of strings", stop);
     if (json_array_size(stop) > DF_MAX_STOP)
-        return df_api_error_set(e, 400, "invalid_request_error", "array_above_max_length", "stop",
+        return df_api_error_set(e, 400, INVALID, "array_above_max_length", "stop",
                                 "Invalid 'stop': expected at most %d strings, but got %zu.", DF_MAX_STOP,
                                 json_array_size(stop));
     for (size_t i = 0; i < json_array_size(stop); i++) {
@@ -293,8 +408,43 @@ static int parse_stop(df_chat_request *req, df_api_error *e) {
     return 0;
 }
 
-static int parse_sampling(df_chat_request *req, const df_generation_defaults *d, df_api_error *e) {
+/* logit_bias: {"token id": bias in [-100, 100]} */
+static int parse_logit_bias(df_api_request *req, int vocab, df_api_error *e) {
+    json_t *lb = field(req->root, "logit_bias");
+    if (!lb) return 0;
+    if (!json_is_object(lb)) return type_error(e, "logit_bias", "an object", lb);
+    if (json_object_size(lb) > DF_MAX_LOGIT_BIAS)
+        return df_api_error_set(e, 400, INVALID, "invalid_value", "logit_bias",
+                                "Invalid 'logit_bias': at most %d entries are allowed, but got %zu.",
+                                DF_MAX_LOGIT_BIAS, json_object_size(lb));
+    const char *key;
+    json_t *v;
+    int n = 0;
+    json_object_foreach(lb, key, v) {
+        char param[96];
+        snprintf(param, sizeof param, "logit_bias.%.64s", key);
+        char *end = NULL;
+        errno = 0;
+        long id = strtol(key, &end, 10);
+        if (!key[0] || *end || errno || key[0] == ' ' || key[0] == '+' || id < 0 || id >= vocab)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "logit_bias",
+                                    "Invalid 'logit_bias': key '%.64s' is not a token id (an integer from 0 to %d).",
+                                    key, vocab - 1);
+        float bias = 0;
+        if (get_number(lb, key, param, -100, 0, 100, &bias, e)) return -1;
+        if (json_is_null(v)) return type_error(e, param, "a number", v);
+        req->bias[n].id = (int32_t)id;
+        req->bias[n].bias = bias;
+        n++;
+    }
+    req->gen.sampling.logit_bias = req->bias;
+    req->gen.sampling.n_logit_bias = n;
+    return 0;
+}
+
+static int parse_sampling(df_api_request *req, const df_api_context *ctx, df_api_error *e) {
     df_sampling_params *sp = &req->gen.sampling;
+    const df_generation_defaults *d = ctx->gen_defaults;
     *sp = df_sampling_default();
     sp->temperature = 1.0f;
     if (d) {
@@ -302,71 +452,195 @@ static int parse_sampling(df_chat_request *req, const df_generation_defaults *d,
         if (d->has_top_p) sp->top_p = d->top_p;
         if (d->has_top_k) sp->top_k = d->top_k;
         if (d->has_min_p) sp->min_p = d->min_p;
+        if (d->has_repetition_penalty) sp->repetition_penalty = d->repetition_penalty;
     }
     json_t *root = req->root;
-    if (get_number(root, "temperature", 0, 0, 2, &sp->temperature, e)) return -1;
-    if (get_number(root, "top_p", 0, 1, 1, &sp->top_p, e)) return -1;
-    if (get_number(root, "min_p", 0, 0, 1, &sp->min_p, e)) return -1;
+    if (get_number(root, "temperature", "temperature", 0, 0, 2, &sp->temperature, e)) return -1;
+    if (get_number(root, "top_p", "top_p", 0, 1, 1, &sp->top_p, e)) return -1;
+    if (get_number(root, "min_p", "min_p", 0, 0, 1, &sp->min_p, e)) return -1;
+    if (get_number(root, "presence_penalty", "presence_penalty", -2, 0, 2, &sp->presence_penalty, e)) return -1;
+    if (get_number(root, "frequency_penalty", "frequency_penalty", -2, 0, 2, &sp->frequency_penalty, e)) return -1;
+    if (get_number(root, "repetition_penalty", "repetition_penalty", 0, 1, 10, &sp->repetition_penalty, e))
+        return -1;
     long long v = 0;
     int given = 0;
-    if (get_integer(root, "top_k", -1, 1 << 30, &v, &given, e)) return -1;
-    if (given) sp->top_k = v < 0 ? 0 : (int)v;   /* -1 and 0 both mean off */
+    if (get_integer(root, "top_k", "top_k", -1, 1 << 30, &v, &given, e)) return -1;
+    if (given) sp->top_k = v < 0 ? 0 : (int)v; /* -1 and 0 both mean off */
     given = 0;
-    if (get_integer(root, "seed", INT64_MIN, INT64_MAX, &v, &given, e)) return -1;
+    if (get_integer(root, "seed", "seed", INT64_MIN, INT64_MAX, &v, &given, e)) return -1;
     if (given) {
         sp->seed = (uint64_t)v;
         sp->has_seed = 1;
     }
+    if (parse_logit_bias(req, ctx->vocab, e)) return -1;
 
     /* max_completion_tokens is the current name; max_tokens the older one. */
     long long mt = 0;
     given = 0;
-    if (get_integer(root, "max_tokens", 1, 1 << 30, &mt, &given, e)) return -1;
-    if (get_integer(root, "max_completion_tokens", 1, 1 << 30, &mt, &given, e)) return -1;
+    if (get_integer(root, "max_tokens", "max_tokens", 1, 1 << 30, &mt, &given, e)) return -1;
+    if (req->route == DF_API_CHAT &&
+        get_integer(root, "max_completion_tokens", "max_completion_tokens", 1, 1 << 30, &mt, &given, e))
+        return -1;
     req->gen.max_tokens = given ? (int)mt : 0;
     return parse_stop(req, e);
 }
 
-/* Known OpenAI fields this version validates but cannot honour unless they are neutral. */
-static int parse_unsupported(json_t *root, df_api_error *e) {
-    int b = 0;
-    if (get_bool(root, "stream", &b, e)) return -1;
-    if (b) return unsupported(e, "stream", "Streaming (\"stream\": true)");
-    b = 0;
-    if (get_bool(root, "logprobs", &b, e)) return -1;
-    if (b) return unsupported(e, "logprobs", "\"logprobs\": true");
-    long long n = 1;
-    if (get_integer(root, "n", 1, 128, &n, NULL, e)) return -1;
-    if (n != 1) return unsupported(e, "n", "More than one choice (\"n\" > 1)");
-    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++) {
-        float p = 0;
-        if (get_number(root, penalties[i], -2, 0, 2, &p, e)) return -1;
-        if (p != 0) return unsupported(e, penalties[i], "A non-zero penalty");
+static int parse_output_options(df_api_request *req, const df_api_context *ctx, df_api_error *e) {
+    json_t *root = req->root;
+    if (get_bool(root, "stream", "stream", &req->stream, e)) return -1;
+    json_t *so = field(root, "stream_options");
+    if (so) {
+        if (!json_is_object(so)) return type_error(e, "stream_options", "an object", so);
+        if (!req->stream)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "stream_options",
+                                    "Invalid 'stream_options': only allowed when 'stream' is true.");
+        if (get_bool(so, "include_usage", "stream_options.include_usage", &req->include_usage, e)) return -1;
     }
-    json_t *tools = field(root, "tools");
-    if (tools && !json_is_array(tools)) return type_error(e, "tools", "an array", tools);
-    if (tools && json_array_size(tools) > 0) return unsupported(e, "tools", "Tool calling");
+    long long n = 1;
+    if (get_integer(root, "n", "n", 1, 128, &n, NULL, e)) return -1;
+    if (n != 1)
+        return df_api_error_set(e, 400, INVALID, "unsupported_value", "n",
+                                "Invalid 'n': this server generates one choice per request; 'n' must be 1, "
+                                "but got %lld.",
+                                n);
+    const char *user;
+    if (get_string(root, "user", "user", &user, e)) return -1;
+
+    int k = ctx->max_top_logprobs;
+    if (req->route == DF_API_CHAT) {
+        int lp = 0;
+        long long top = 0;
+        int top_given = 0;
+        if (get_bool(root, "logprobs", "logprobs", &lp, e)) return -1;
+        if (get_integer(root, "top_logprobs", "top_logprobs", 0, k, &top, &top_given, e)) return -1;
+        if (top_given && !lp)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "top_logprobs",
+                                    "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.");
+        req->gen.logprobs = lp;
+        req->gen.top_logprobs = (int)top;
+        json_t *rf = field(root, "response_format");
+        if (rf) {
+            if (!json_is_object(rf)) return type_error(e, "response_format", "an object", rf);
+            json_t *type = required_string(rf, "type", "response_format.type", e);
+            if (!type) return -1;
+            const char *t = json_string_value(type);
+            if (!strcmp(t, "json_object") || !strcmp(t, "json_schema"))
+                return unsupported(e, "response_format.type", "Structured output (json_object, json_schema)");
+            if (strcmp(t, "text") != 0)
+                return df_api_error_set(e, 400, INVALID, "invalid_value", "response_format.type",
+                                        "Invalid value: '%.64s'. Supported values are: 'text'.", t);
+        }
+        int b = 0;
+        if (get_bool(root, "enable_thinking", "enable_thinking", &b, e)) return -1;
+        if (get_bool(root, "add_generation_prompt", "add_generation_prompt", &b, e)) return -1;
+        json_t *kw = field(root, "chat_template_kwargs");
+        if (kw) {
+            if (!json_is_object(kw)) return type_error(e, "chat_template_kwargs", "an object", kw);
+            if (get_bool(kw, "enable_thinking", "chat_template_kwargs.enable_thinking", &b, e)) return -1;
+        }
+    } else {
+        long long top = 0;
+        int given = 0;
+        json_t *lp = field(root, "logprobs");
+        if (lp && json_is_boolean(lp)) return type_error(e, "logprobs", "an integer", lp);
+        if (get_integer(root, "logprobs", "logprobs", 0, k, &top, &given, e)) return -1;
+        req->gen.logprobs = given;
+        req->gen.top_logprobs = (int)top;
+        if (get_bool(root, "echo", "echo", &req->echo, e)) return -1;
+        const char *suffix = NULL;
+        if (get_string(root, "suffix", "suffix", &suffix, e)) return -1;
+        if (suffix && suffix[0]) return unsupported(e, "suffix", "'suffix' (insertion)");
+        long long best_of = 1;
+        if (get_integer(root, "best_of", "best_of", 1, 128, &best_of, NULL, e)) return -1;
+        if (best_of != 1)
+            return df_api_error_set(e, 400, INVALID, "unsupported_value", "best_of",
+                                    "Invalid 'best_of': this server generates one choice per prompt; it must be 1.");
+        if (req->echo && req->gen.logprobs)
+            return unsupported(e, "echo", "'echo' together with 'logprobs' (prompt log-probabilities)");
+    }
+    if (ctx->test_hooks && get_string(root, "dflash_forced_output", "dflash_forced_output", &req->forced_output, e))
+        return -1;
     return 0;
 }
 
-int df_chat_request_parse(df_chat_request *req, const char *body, size_t len, const char *model_id,
-                          const df_generation_defaults *gen_defaults, df_api_error *e) {
+/* prompt: a string, a list of strings, a list of token ids, or a list of lists of ids. */
+static int check_ids(const json_t *a, const char *param, int vocab, df_api_error *e) {
+    if (json_array_size(a) == 0)
+        return df_api_error_set(e, 400, INVALID, "invalid_value", param, "Invalid '%s': the prompt is empty.", param);
+    size_t i;
+    json_t *x;
+    json_array_foreach(a, i, x) {
+        char p[96];
+        snprintf(p, sizeof p, "%s[%zu]", param, i);
+        if (!json_is_integer(x)) return type_error(e, p, "a token id (an integer)", x);
+        json_int_t id = json_integer_value(x);
+        if (id < 0 || id >= vocab)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", p,
+                                    "Invalid '%s': token id %lld is outside 0..%d.", p, (long long)id, vocab - 1);
+    }
+    return 0;
+}
+
+static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
+    json_t *p = field(req->root, "prompt");
+    if (!p) return missing_error(e, "prompt");
+    if (json_is_string(p)) {
+        req->prompts[req->n_prompts++] = p;
+    } else if (json_is_array(p)) {
+        size_t n = json_array_size(p);
+        if (n == 0)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "prompt", "Invalid 'prompt': the prompt is empty.");
+        json_t *first = json_array_get(p, 0);
+        if (json_is_integer(first)) {
+            if (check_ids(p, "prompt", vocab, e)) return -1;
+            req->prompts[req->n_prompts++] = p;
+        } else {
+            if (n > DF_API_MAX_PROMPTS)
+                return df_api_error_set(e, 400, INVALID, "array_above_max_length", "prompt",
+                                        "Invalid 'prompt': at most %d prompts per request, but got %zu.",
+                                        DF_API_MAX_PROMPTS, n);
+            size_t i;
+            json_t *x;
+            json_array_foreach(p, i, x) {
+                char param[32];
+                snprintf(param, sizeof param, "prompt[%zu]", i);
+                if (json_is_array(x)) {
+                    if (check_ids(x, param, vocab, e)) return -1;
+                } else if (!json_is_string(x)) {
+                    return type_error(e, param, "a string or an array of token ids", x);
+                }
+                req->prompts[req->n_prompts++] = x;
+            }
+        }
+    } else {
+        return type_error(e, "prompt", "a string, an array of strings or an array of token ids", p);
+    }
+    for (int i = 0; i < req->n_prompts; i++)
+        if (json_is_string(req->prompts[i]) && json_string_length(req->prompts[i]) == 0)
+            return df_api_error_set(e, 400, INVALID, "invalid_value", "prompt",
+                                    "Invalid 'prompt': the prompt is empty.");
+    return 0;
+}
+
+int df_api_request_parse(df_api_request *req, df_api_route route, const char *body, size_t len,
+                         const df_api_context *ctx, df_api_error *e) {
     memset(req, 0, sizeof *req);
+    req->route = route;
     req->gen = df_gen_params_default();
+    req->gen.max_tokens = 0;
     json_error_t jerr;
     if (len == 0)
-        return df_api_error_set(e, 400, "invalid_request_error", "invalid_json", NULL,
+        return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
                                 "The request body is empty; expected a JSON object.");
     req->root = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
     if (!req->root)
-        return df_api_error_set(e, 400, "invalid_request_error", "invalid_json", NULL,
-                                "The request body is not valid JSON: %s (line %d, column %d).", jerr.text,
-                                jerr.line, jerr.column);
+        return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
+                                "The request body is not valid JSON: %s (line %d, column %d).", jerr.text, jerr.line,
+                                jerr.column);
     int rc = -1;
     if (!json_is_object(req->root)) {
-        df_api_error_set(e, 400, "invalid_request_error", "invalid_type", NULL,
-                         "The request body must be a JSON object, but it is %s.", json_type_name(req->root));
+        df_api_error_set(e, 400, INVALID, "invalid_type", NULL, "The request body must be a JSON object, but it is %s.",
+                         json_type_name(req->root));
         goto done;
     }
     json_t *model = field(req->root, "model");
@@ -374,24 +648,101 @@ int df_chat_request_parse(df_chat_request *req, const char *body, size_t len, co
         type_error(e, "model", "a string", model);
         goto done;
     }
-    if (model && strcmp(json_string_value(model), model_id) != 0) {
-        df_api_error_set(e, 404, "invalid_request_error", "model_not_found", "model",
-                         "The model '%.128s' does not exist; this server serves '%.128s'.",
-                         json_string_value(model), model_id);
+    if (model && strcmp(json_string_value(model), ctx->model_id) != 0) {
+        df_api_error_set(e, 404, INVALID, "model_not_found", "model",
+                         "The model '%.128s' does not exist; this server serves '%.128s'.", json_string_value(model),
+                         ctx->model_id);
         goto done;
     }
-    if (parse_messages(req, e) || parse_sampling(req, gen_defaults, e) || parse_unsupported(req->root, e)) goto done;
+    if (route == DF_API_CHAT) {
+        if (check_messages(req->root, e) || parse_tools(req, e)) goto done;
+    } else if (parse_prompt(req, ctx->vocab, e)) {
+        goto done;
+    }
+    if (parse_sampling(req, ctx, e) || parse_output_options(req, ctx, e)) goto done;
     rc = 0;
 done:
-    if (rc) df_chat_request_free(req);
+    if (rc) df_api_request_free(req);
     return rc;
 }
 
-void df_chat_request_free(df_chat_request *req) {
-    if (req->contents)
-        for (int i = 0; i < req->n_messages; i++) free(req->contents[i]);
-    free(req->contents);
-    free(req->roles);
+void df_api_request_free(df_api_request *req) {
     json_decref(req->root);
     memset(req, 0, sizeof *req);
+}
+
+/* ---- response pieces --------------------------------------------------------------------- */
+
+json_t *df_api_usage(int prompt_tokens, int completion_tokens) {
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
+                     "total_tokens", prompt_tokens + completion_tokens);
+}
+
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative) {
+    double pms = res->prompt_ms, dms = res->decode_ms;
+    json_t *t = json_pack("{s:i, s:f, s:f, s:i, s:f, s:f}", "prompt_n", n_prompt, "prompt_ms", pms,
+                          "prompt_per_second", pms > 0 ? n_prompt * 1000.0 / pms : 0.0, "predicted_n", res->n_ids,
+                          "predicted_ms", dms, "predicted_per_second", dms > 0 ? res->n_ids * 1000.0 / dms : 0.0);
+    if (t && speculative) {
+        json_object_set_new(t, "draft_rounds", json_integer(res->draft_rounds));
+        json_object_set_new(t, "draft_n", json_integer(res->draft_n));
+        json_object_set_new(t, "draft_n_accepted", json_integer(res->draft_n_accepted));
+    }
+    return t;
+}
+
+/* A token's text (invalid UTF-8 -> U+FFFD) and its bytes. */
+static void token_text(const df_tokenizer *tok, int32_t id, json_t **text, json_t **bytes) {
+    size_t n = 0;
+    const char *piece = df_tokenizer_piece(tok, id, &n);
+    jbuf b = {0};
+    if (ju8_sanitize(&b, piece ? piece : "", n) == 0) *text = json_stringn(b.p ? b.p : "", b.n);
+    else *text = NULL;
+    jbuf_free(&b);
+    *bytes = json_array();
+    for (size_t i = 0; *bytes && i < n; i++) json_array_append_new(*bytes, json_integer((unsigned char)piece[i]));
+}
+
+static json_t *logprob_value(float lp) {
+    /* JSON has no -inf: a token masked by logit_bias -100 or the like reports -9999 as OpenAI does */
+    return json_real(isfinite(lp) ? (double)lp : -9999.0);
+}
+
+json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info) {
+    json_t *text, *bytes;
+    token_text(tok, info->id, &text, &bytes);
+    json_t *top = json_array();
+    for (int k = 0; top && k < info->n_top; k++) {
+        json_t *t, *b;
+        token_text(tok, info->top[k].id, &t, &b);
+        json_array_append_new(top, json_pack("{s:o*, s:o, s:o*}", "token", t, "logprob",
+                                             logprob_value(info->top[k].logprob), "bytes", b));
+    }
+    return json_pack("{s:o*, s:o, s:o*, s:o*}", "token", text, "logprob", logprob_value(info->logprob), "bytes", bytes,
+                     "top_logprobs", top);
+}
+
+json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, size_t text_offset0) {
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    size_t off = text_offset0;
+    for (int i = 0; i < n; i++) {
+        json_t *t, *b;
+        token_text(tok, info[i].id, &t, &b);
+        json_decref(b);
+        json_array_append_new(offs, json_integer((json_int_t)off));
+        if (t) off += json_string_length(t);
+        json_array_append_new(tokens, t ? t : json_string(""));
+        json_array_append_new(lps, logprob_value(info[i].logprob));
+        json_t *top = json_object();
+        for (int k = 0; top && k < info[i].n_top; k++) {
+            json_t *tt, *tb;
+            token_text(tok, info[i].top[k].id, &tt, &tb);
+            json_decref(tb);
+            if (tt) json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
+            json_decref(tt);
+        }
+        json_array_append_new(tops, top);
+    }
+    return json_pack("{s:o*, s:o*, s:o*, s:o*}", "tokens", tokens, "token_logprobs", lps, "top_logprobs", tops,
+                     "text_offset", offs);
 }

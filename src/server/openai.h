@@ -1,5 +1,5 @@
-/* dflash server: the OpenAI request schema (parsing + validation) and response shapes.
- * Private to src/server. */
+/* dflash server: the OpenAI request schema (parsing + validation) and response pieces.
+ * Private to src/server and src/cli. */
 #ifndef DFLASH_SERVER_OPENAI_H
 #define DFLASH_SERVER_OPENAI_H
 
@@ -9,41 +9,88 @@
 
 #include "dflash/generate.h"
 #include "dflash/pack.h"
+#include "dflash/tokenizer.h"
+#include "server/prompt.h"
 
-/* An OpenAI error: {"error": {"message", "type", "code", "param"}} with an HTTP status. */
+/* An OpenAI error: {"error": {"message", "type", "code", "param"}} with an HTTP status,
+ * and for exceed_context_size_error the counts (n_prompt_tokens, n_ctx). */
 typedef struct df_api_error {
     int status;               /* HTTP status */
     const char *type;         /* "invalid_request_error", "server_error", ... */
     const char *code;         /* NULL = JSON null */
     char param[96];           /* "" = JSON null */
     char message[480];
+    long long n_prompt_tokens, n_ctx; /* > 0: added to the error object */
 } df_api_error;
 
-/* Fills e and returns -1 (so validators can `return api_error(...)`). param may be NULL. */
+/* Fills e and returns -1 (so validators can `return df_api_error_set(...)`). param may be NULL. */
 int df_api_error_set(df_api_error *e, int status, const char *type, const char *code, const char *param,
                      const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 /* {"error": {...}} */
 json_t *df_api_error_json(const df_api_error *e);
 
-/* A validated POST /v1/chat/completions request. */
-typedef struct df_chat_request {
-    json_t *root;              /* the parsed body; stop strings point into it */
-    int n_messages;
-    const char **roles;        /* [n_messages] role names as rendered (static strings) */
-    char **contents;           /* [n_messages] text (malloc'd) */
-    df_gen_params gen;         /* max_tokens as requested (0 = not given) */
-} df_chat_request;
+typedef enum df_api_route {
+    DF_API_CHAT,        /* POST /v1/chat/completions */
+    DF_API_COMPLETIONS  /* POST /v1/completions */
+} df_api_route;
 
-/* Parses and validates body (len bytes). Fields the request omits (or sets to null) take
- * the pack's generation defaults gen_defaults (else greedy-off values, temperature 1).
- * model_id: a "model" field must equal it (404 otherwise). Returns 0, or -1 with e set
- * (400/404); on failure req holds nothing to free. */
-int df_chat_request_parse(df_chat_request *req, const char *body, size_t len, const char *model_id,
-                          const df_generation_defaults *gen_defaults, df_api_error *e);
-void df_chat_request_free(df_chat_request *req);
+#define DF_API_MAX_PROMPTS 64
+
+/* What validation needs to know about the served model. */
+typedef struct df_api_context {
+    const char *model_id;                      /* a request's "model" must equal it (404) */
+    const df_generation_defaults *gen_defaults; /* for omitted sampling fields (may be NULL) */
+    int vocab;                                 /* token ids (logit_bias keys, prompt ids) must be < vocab */
+    int max_top_logprobs;                      /* top_logprobs / logprobs upper bound */
+    int test_hooks;                            /* honour "dflash_forced_output" */
+} df_api_context;
+
+/* A validated completion request. Not copyable (gen.sampling.logit_bias points into it). */
+typedef struct df_api_request {
+    df_api_route route;
+    json_t *root;              /* the parsed body; strings below point into it */
+    df_gen_params gen;         /* sampling, stop, logprobs; max_tokens 0 = not given */
+    df_logit_bias bias[DF_MAX_LOGIT_BIAS];
+    int stream, include_usage;
+    /* chat */
+    df_tool_choice tool_choice;
+    const char *tool_name;     /* NAMED: the function */
+    const json_t *tools;       /* the request's tools (NULL when none or empty) */
+    /* completions: each prompt is a JSON string or an array of token ids */
+    const json_t *prompts[DF_API_MAX_PROMPTS];
+    int n_prompts;
+    int echo;
+    /* test hook: text whose tokens replace the sampled ones (NULL = none) */
+    const char *forced_output;
+} df_api_request;
+
+/* Parses and validates body (len bytes) for route. Unknown fields are ignored; a known
+ * field with a wrong type or value is a 400 naming it in "param"; null counts as omitted.
+ * Omitted sampling fields take ctx->gen_defaults (else temperature 1, others off).
+ * Returns 0, or -1 with e set (400/404); on failure req holds nothing to free. */
+int df_api_request_parse(df_api_request *req, df_api_route route, const char *body, size_t len,
+                         const df_api_context *ctx, df_api_error *e);
+void df_api_request_free(df_api_request *req);
 
 /* A JSON string of len bytes of text that should be UTF-8; if it is not, every byte
  * outside ASCII (and NUL) becomes '?'. NULL only when out of memory. */
 json_t *df_json_text(const char *text, size_t len);
+
+/* ---- response pieces --------------------------------------------------------------------- */
+
+/* {"prompt_tokens", "completion_tokens", "total_tokens"} */
+json_t *df_api_usage(int prompt_tokens, int completion_tokens);
+
+/* llama.cpp's timings: prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms,
+ * predicted_per_second, and with speculative decoding draft_rounds, draft_n,
+ * draft_n_accepted. */
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative);
+
+/* One chat logprobs entry {"token", "logprob", "bytes", "top_logprobs": [...]} for info. */
+json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info);
+
+/* The legacy completions logprobs object {"tokens", "token_logprobs", "top_logprobs",
+ * "text_offset"} for n tokens; offsets count from text_offset0. */
+json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, size_t text_offset0);
 
 #endif

@@ -1,5 +1,6 @@
-/* dflash server: the OpenAI API layer — routes, authentication, chat completions
- * (see include/dflash/server.h). The HTTP transport is in http.c. */
+/* dflash server: the OpenAI API layer — options, routes, authentication, request
+ * validation and tokenization, routing to speculative or plain decoding (see
+ * include/dflash/server.h). Generation runs in worker.c, the HTTP transport in http.c. */
 #include "server/server_impl.h"
 
 #include <arpa/inet.h>
@@ -9,13 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "dflash/generate.h"
-#include "server/openai.h"
-
-/* Value of the x-dflash header: this version always decodes plainly. */
-#define X_DFLASH_PLAIN "fallback; reason=no-drafter"
 
 df_server_options df_server_options_default(void) {
     df_server_options o;
@@ -23,8 +21,13 @@ df_server_options df_server_options_default(void) {
     o.host = DF_SERVER_DEFAULT_HOST;
     o.port = DF_SERVER_DEFAULT_PORT;
     o.max_body = DF_SERVER_DEFAULT_MAX_BODY;
+    o.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
     o.max_connections = 64;
-    o.timeout_s = 60;
+    o.timeout_s = 30;
+    o.queue = DF_SERVER_DEFAULT_QUEUE;
+    o.top_logprobs_k = DF_MAX_TOP_LOGPROBS;
+    o.spec = df_spec_params_default();
+    o.draft_window = DF_SERVER_DEFAULT_DRAFT_WINDOW;
     return o;
 }
 
@@ -38,12 +41,24 @@ int df_server_host_is_loopback(const char *host) {
     return 0;
 }
 
+double df_ms_since(const struct timespec *t0) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
+}
+
+double df_peak_rss_mib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (double)ru.ru_maxrss / 1024.0; /* Linux: KiB */
+}
+
 /* ---- paths, logging ---------------------------------------------------------------- */
 
 static void add_private(df_server *srv, const char *path, const char *public_name) {
     if (!path || strlen(path) < 2 || srv->n_private >= DF_SERVER_MAX_PRIVATE) return;
     size_t n = strlen(path);
-    while (n > 1 && path[n - 1] == '/') n--;      /* "dir/" and "dir" are the same place */
+    while (n > 1 && path[n - 1] == '/') n--; /* "dir/" and "dir" are the same place */
     for (int i = 0; i < srv->n_private; i++)
         if (strlen(srv->private_paths[i]) == n && strncmp(srv->private_paths[i], path, n) == 0) return;
     char *copy = strndup(path, n);
@@ -57,6 +72,14 @@ static void add_private(df_server *srv, const char *path, const char *public_nam
     }
     srv->private_paths[i] = copy;
     srv->public_names[i] = public_name;
+}
+
+static void add_private_dir(df_server *srv, const char *dir, const char *public_name) {
+    if (!dir) return;
+    char *real = realpath(dir, NULL);
+    add_private(srv, real, public_name);
+    free(real);
+    add_private(srv, dir, public_name);
 }
 
 void df_server_redact(const df_server *srv, const char *in, char *out, size_t cap) {
@@ -90,66 +113,83 @@ void df_server_log(const df_server *srv, const char *fmt, ...) {
     srv->opt.log(srv->opt.log_user, line);
 }
 
+/* A printable copy of an untrusted string for the log. */
+static void printable(const char *in, char *out, size_t cap) {
+    size_t o = 0;
+    for (; in && *in && o + 1 < cap; in++) out[o++] = (*in >= 0x20 && *in < 0x7f) ? *in : '?';
+    out[o] = 0;
+}
+
 /* ---- init / free ------------------------------------------------------------------- */
 
-df_status df_server_init(df_server **out, df_engine *eng, const df_server_options *opt_in, df_error *err) {
+static char *dup_or_null(const char *s, int *bad) {
+    if (!s) return NULL;
+    char *d = strdup(s);
+    if (!d) *bad = 1;
+    return d;
+}
+
+df_status df_server_init(df_server **out, const df_server_options *opt_in, df_error *err) {
     *out = NULL;
     df_server_options opt = opt_in ? *opt_in : df_server_options_default();
     if (!opt.host || !opt.host[0]) opt.host = DF_SERVER_DEFAULT_HOST;
     if (!opt.model_id || !opt.model_id[0])
         return df_error_set(err, DF_ERR_INVALID_ARG, "server: a model id is required");
+    if (!opt.model_dir || !opt.model_dir[0])
+        return df_error_set(err, DF_ERR_INVALID_ARG, "server: a model folder is required");
     if (opt.port < 0 || opt.port > 65535)
         return df_error_set(err, DF_ERR_INVALID_ARG, "server: port %d is outside 0..65535", opt.port);
-    if (opt.max_tokens < 0 || opt.ctx_size < 0)
-        return df_error_set(err, DF_ERR_INVALID_ARG, "server: max_tokens and ctx_size must be >= 0");
+    if (opt.max_tokens < 0 || opt.ctx_size < 0 || opt.queue < 0 || opt.n_threads < 0)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "server: max_tokens, ctx_size, queue and threads must be >= 0");
+    if (opt.top_logprobs_k < 0 || opt.top_logprobs_k > DF_MAX_TOP_LOGPROBS)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "server: top_logprobs_k must lie within 0..%d",
+                            DF_MAX_TOP_LOGPROBS);
+    if (opt.draft_window < 1) return df_error_set(err, DF_ERR_INVALID_ARG, "server: the draft window must be >= 1");
     int has_key = opt.api_key && opt.api_key[0];
     if (!has_key && !df_server_host_is_loopback(opt.host))
         return df_error_set(err, DF_ERR_INVALID_ARG,
                             "server: listening on '%s' (not a loopback address) requires an API key", opt.host);
     if (opt.max_body == 0) opt.max_body = DF_SERVER_DEFAULT_MAX_BODY;
+    if (opt.max_header == 0) opt.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
     if (opt.max_connections == 0) opt.max_connections = 64;
-    if (opt.timeout_s == 0) opt.timeout_s = 60;
+    if (opt.timeout_s == 0) opt.timeout_s = 30;
 
     df_server *srv = calloc(1, sizeof *srv);
     if (!srv) return df_error_set(err, DF_ERR_NOMEM, "server: out of memory");
-    srv->eng = eng;
-    srv->host = strdup(opt.host);
-    srv->model_id = strdup(opt.model_id);
-    srv->api_key = has_key ? strdup(opt.api_key) : NULL;
-    if (!srv->host || !srv->model_id || (has_key && !srv->api_key)) {
-        df_server_free(srv);
-        return df_error_set(err, DF_ERR_NOMEM, "server: out of memory");
-    }
+    int bad = 0;
+    srv->host = dup_or_null(opt.host, &bad);
+    srv->model_id = dup_or_null(opt.model_id, &bad);
+    srv->api_key = has_key ? dup_or_null(opt.api_key, &bad) : NULL;
+    srv->model_dir = dup_or_null(opt.model_dir, &bad);
+    srv->drafter_dir = opt.drafter_dir && opt.drafter_dir[0] ? dup_or_null(opt.drafter_dir, &bad) : NULL;
     opt.host = srv->host;
     opt.model_id = srv->model_id;
     opt.api_key = srv->api_key;
+    opt.model_dir = srv->model_dir;
+    opt.drafter_dir = srv->drafter_dir;
     srv->opt = opt;
-    pthread_mutex_init(&srv->gen_lock, NULL);
+    pthread_mutex_init(&srv->qlock, NULL);
+    pthread_cond_init(&srv->qcond, NULL);
+    pthread_mutex_init(&srv->metrics.lock, NULL);
+    atomic_init(&srv->state, DF_SERVER_LOADING);
     atomic_init(&srv->stopping, 0);
     atomic_init(&srv->in_flight, 0);
+    atomic_init(&srv->seq, 0);
     atomic_init(&srv->id_counter, 0);
     srv->created = time(NULL);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     srv->id_seed = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16);
     srv->bound_port = opt.port;
-
-    const df_pack *pack = df_engine_pack(eng);
-    if (pack && pack->dir) {
-        char *real = realpath(pack->dir, NULL);
-        add_private(srv, real, srv->model_id);
-        free(real);
-        add_private(srv, pack->dir, srv->model_id);
+    if (bad) {
+        df_server_free(srv);
+        return df_error_set(err, DF_ERR_NOMEM, "server: out of memory");
     }
+    add_private_dir(srv, srv->model_dir, srv->model_id);
+    add_private_dir(srv, srv->drafter_dir, "drafter");
     char cwd[PATH_MAX];
     if (getcwd(cwd, sizeof cwd)) add_private(srv, cwd, ".");
     add_private(srv, getenv("HOME"), "~");
-
-    df_status st = df_session_init(&srv->session, eng, opt.ctx_size, err);
-    if (st != DF_OK) {
-        df_server_free(srv);
-        return st;
-    }
     *out = srv;
     return DF_OK;
 }
@@ -157,16 +197,28 @@ df_status df_server_init(df_server **out, df_engine *eng, const df_server_option
 void df_server_free(df_server *srv) {
     if (!srv) return;
     df_server_stop(srv);
-    if (srv->session) df_session_free(srv->session);
-    pthread_mutex_destroy(&srv->gen_lock);
+    df_draft_state_free(srv->dstate);
+    df_drafter_free(srv->drafter);
+    df_session_free(srv->session);
+    df_chat_setup_free(&srv->chat);
+    df_engine_free(srv->eng);
+    pthread_mutex_destroy(&srv->qlock);
+    pthread_cond_destroy(&srv->qcond);
+    pthread_mutex_destroy(&srv->metrics.lock);
     for (int i = 0; i < srv->n_private; i++) free(srv->private_paths[i]);
     free(srv->host);
     free(srv->model_id);
     free(srv->api_key);
+    free(srv->model_dir);
+    free(srv->drafter_dir);
     free(srv);
 }
 
 int df_server_port(const df_server *srv) { return srv->bound_port; }
+
+df_server_state df_server_get_state(const df_server *srv) { return (df_server_state)atomic_load(&srv->state); }
+
+const char *df_server_load_error(const df_server *srv) { return srv->load_error; }
 
 /* ---- responses --------------------------------------------------------------------- */
 
@@ -174,38 +226,31 @@ void df_http_response_free(df_http_response *resp) {
     free(resp->body);
     resp->body = NULL;
     resp->body_len = 0;
+    if (resp->stream) df_server_stream_close(resp->stream);
+    resp->stream = NULL;
 }
 
-static void set_json(df_http_response *resp, int status, json_t *j) {
+static void set_body(df_http_response *resp, int status, const char *content_type, char *text) {
     resp->status = status;
-    resp->content_type = "application/json";
+    resp->content_type = content_type;
     free(resp->body);
-    resp->body = j ? json_dumps(j, JSON_COMPACT) : NULL;
-    json_decref(j);
+    resp->body = text;
     if (!resp->body) {
         static const char oom[] =
             "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"code\":null,\"param\":null}}";
         resp->status = 500;
+        resp->content_type = "application/json";
         resp->body = strdup(oom);
-        snprintf(resp->note, sizeof resp->note, "out of memory");
     }
     resp->body_len = resp->body ? strlen(resp->body) : 0;
 }
 
-static void set_error(df_http_response *resp, const df_api_error *e) {
-    snprintf(resp->note, sizeof resp->note, "%.159s", e->message);
-    set_json(resp, e->status, df_api_error_json(e));
+static void set_json(df_http_response *resp, int status, json_t *j) {
+    set_body(resp, status, "application/json", j ? json_dumps(j, JSON_COMPACT) : NULL);
+    json_decref(j);
 }
 
-/* An error from the engine: its message may name local files, so it is redacted. */
-static void set_engine_error(const df_server *srv, df_http_response *resp, int status, const char *type,
-                             const char *code, const df_error *err) {
-    df_api_error e;
-    char msg[DF_ERROR_MSG_MAX];
-    df_server_redact(srv, err->msg, msg, sizeof msg);
-    df_api_error_set(&e, status, type, code, NULL, "%s", msg);
-    set_error(resp, &e);
-}
+static void set_error(df_http_response *resp, const df_api_error *e) { set_json(resp, e->status, df_api_error_json(e)); }
 
 /* ---- routes ------------------------------------------------------------------------ */
 
@@ -223,13 +268,22 @@ static int authorized(const df_server *srv, const char *header) {
 }
 
 static json_t *model_object(const df_server *srv) {
-    return json_pack("{s:s, s:s, s:I, s:s}", "id", srv->model_id, "object", "model", "created",
-                     (json_int_t)srv->created, "owned_by", "dflash");
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s}", "id", srv->model_id, "object", "model", "created",
+                          (json_int_t)srv->created, "owned_by", "dflash");
+    if (o && srv->eng && srv->session) {
+        json_t *meta = json_pack("{s:i, s:i, s:b, s:s}", "n_ctx", df_session_max_ctx(srv->session), "n_vocab",
+                                 df_engine_vocab_size(srv->eng), "speculative",
+                                 srv->dstate != NULL && !srv->opt.no_draft, "chat_template",
+                                 srv->chat.builtin ? "builtin-chatml" : "pack");
+        if (meta) json_object_set_new(o, "meta", meta);
+    }
+    return o;
 }
 
+static int ready(const df_server *srv) { return atomic_load(&srv->state) == DF_SERVER_READY; }
+
 static void route_models(const df_server *srv, df_http_response *resp) {
-    json_t *list = json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(srv));
-    set_json(resp, 200, list);
+    set_json(resp, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(srv)));
 }
 
 static void route_model(const df_server *srv, const char *id, df_http_response *resp) {
@@ -243,24 +297,20 @@ static void route_model(const df_server *srv, const char *id, df_http_response *
     set_error(resp, &e);
 }
 
-typedef struct gen_ctx {
-    df_server *srv;
-    const df_http_request *req;
-    int client_gone;
-} gen_ctx;
-
-static int on_token(void *user, int32_t id, const char *text, size_t len) {
-    (void)id, (void)text, (void)len;
-    gen_ctx *g = user;
-    if (atomic_load(&g->srv->stopping)) return 1;
-    if (g->req->client_gone && g->req->client_gone(g->req->client_user)) {
-        g->client_gone = 1;
-        return 1;
-    }
-    return 0;
+static void route_health(const df_server *srv, df_http_response *resp) {
+    int st = atomic_load(&srv->state);
+    if (atomic_load(&srv->stopping))
+        set_json(resp, 503, json_pack("{s:s}", "status", "stopping"));
+    else if (st == DF_SERVER_READY)
+        set_json(resp, 200, json_pack("{s:s}", "status", "ok"));
+    else if (st == DF_SERVER_LOADING)
+        set_json(resp, 503, json_pack("{s:s}", "status", "loading"));
+    else
+        set_json(resp, 503, json_pack("{s:s, s:s}", "status", "error", "message", srv->load_error));
+    if (resp->status == 503) resp->retry_after = 5;
 }
 
-static void make_id(df_server *srv, char *out, size_t cap) {
+static void make_id(df_server *srv, const char *prefix, char *out, size_t cap) {
     /* splitmix64 of a per-process seed and a counter: unique per response */
     uint64_t x = srv->id_seed + 0x9E3779B97F4A7C15ull * (atomic_fetch_add(&srv->id_counter, 1) + 1);
     uint64_t h[2];
@@ -270,204 +320,327 @@ static void make_id(df_server *srv, char *out, size_t cap) {
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         h[i] = z ^ (z >> 31);
     }
-    snprintf(out, cap, "chatcmpl-%016llx%08llx", (unsigned long long)h[0], (unsigned long long)(h[1] >> 32));
+    snprintf(out, cap, "%s-%016llx%08llx", prefix, (unsigned long long)h[0], (unsigned long long)(h[1] >> 32));
 }
 
-static json_t *chat_response(df_server *srv, const df_gen_result *res) {
-    char id[48];
-    make_id(srv, id, sizeof id);
-    double pms = res->prompt_ms, dms = res->decode_ms;
-    json_t *message = json_pack("{s:s, s:o}", "role", "assistant", "content", df_json_text(res->text ? res->text : "", res->text_len));
-    json_t *choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "message", message, "logprobs", "finish_reason",
-                               df_finish_reason_name(res->finish));
-    json_t *usage = json_pack("{s:i, s:i, s:i}", "prompt_tokens", res->n_prompt, "completion_tokens", res->n_ids,
-                              "total_tokens", res->n_prompt + res->n_ids);
-    json_t *timings = json_pack("{s:i, s:f, s:f, s:i, s:f, s:f}", "prompt_n", res->n_prompt, "prompt_ms", pms,
-                                "prompt_per_second", pms > 0 ? res->n_prompt * 1000.0 / pms : 0.0, "predicted_n",
-                                res->n_ids, "predicted_ms", dms, "predicted_per_second",
-                                dms > 0 ? res->n_ids * 1000.0 / dms : 0.0);
-    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", id, "object", "chat.completion", "created",
-                     (json_int_t)time(NULL), "model", srv->model_id, "choices", choice, "usage", usage, "timings",
-                     timings);
+/* The decode mode of a validated request: speculative, or why not. */
+static const char *route_decision(const df_server *srv, const df_api_request *r, int *speculative) {
+    *speculative = 0;
+    const df_sampling_params *sp = &r->gen.sampling;
+    if (!srv->dstate) return "fallback; reason=no-drafter";
+    if (srv->opt.no_draft) return "fallback; reason=disabled";
+    if (r->forced_output) return "fallback; reason=forced";
+    if (sp->temperature > 0.0f) return "fallback; reason=sampled";
+    if (r->gen.logprobs) return "fallback; reason=logprobs";
+    if ((sp->repetition_penalty != 0.0f && sp->repetition_penalty != 1.0f) || sp->presence_penalty != 0.0f ||
+        sp->frequency_penalty != 0.0f)
+        return "fallback; reason=penalties";
+    if (sp->n_logit_bias > 0) return "fallback; reason=logit_bias";
+    if (df_sampling_has_processors(sp)) return "fallback; reason=penalties";
+    *speculative = 1;
+    return "speculative";
 }
 
-/* Appends k ids to the growing array *ids (*n used, *cap allocated). */
-static df_status append_ids(const int32_t *part, size_t k, int32_t **ids, size_t *n, size_t *cap, df_error *err) {
-    if (*n + k > *cap) {
-        size_t c = (*n + k) * 2 + 16;
-        int32_t *p = realloc(*ids, c * sizeof *p);
-        if (!p) return df_error_set(err, DF_ERR_NOMEM, "out of memory tokenizing the prompt");
-        *ids = p;
-        *cap = c;
+static df_job *job_new(df_server *srv, df_route_label route, const df_http_request *req) {
+    df_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    atomic_init(&j->refs, 1);
+    atomic_init(&j->cancelled, 0);
+    j->srv = srv;
+    j->route = route;
+    j->client_fd = -1;
+    j->seq = atomic_fetch_add(&srv->seq, 1) + 1;
+    j->created = time(NULL);
+    clock_gettime(CLOCK_MONOTONIC, &j->t0);
+    printable(req->client ? req->client : "-", j->client, sizeof j->client);
+    pthread_mutex_init(&j->lock, NULL);
+    pthread_cond_init(&j->cond, NULL);
+    return j;
+}
+
+void df_job_unref(df_job *j) {
+    if (!j || atomic_fetch_sub(&j->refs, 1) != 1) return;
+    df_api_request_free(&j->req);
+    for (int i = 0; i < j->n_prompts; i++) {
+        if (j->ids[i] != j->chat.ids) free(j->ids[i]);
+        free(j->echo[i]);
     }
-    memcpy(*ids + *n, part, k * sizeof *part);
-    *n += k;
-    return DF_OK;
+    df_chat_built_free(&j->chat);
+    free(j->forced);
+    jbuf_free(&j->out);
+    json_decref(j->body);
+    if (j->client_fd >= 0) close(j->client_fd);
+    pthread_mutex_destroy(&j->lock);
+    pthread_cond_destroy(&j->cond);
+    free(j);
 }
 
-/* Appends the ids of text (special tokens recognised or not). */
-static df_status append_encoded(const df_tokenizer *tok, const char *text, int parse_special, int32_t **ids,
-                                size_t *n, size_t *cap, df_error *err) {
-    int32_t *part = NULL;
-    size_t k = 0;
-    df_status st = df_tokenizer_encode(tok, text, strlen(text), parse_special, &part, &k, err);
-    if (st == DF_OK) st = append_ids(part, k, ids, n, cap, err);
-    free(part);
-    return st;
+static const char *route_path(df_route_label r) {
+    static const char *const paths[DF_ROUTE_COUNT] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                                      "/v1/models/{id}", "/health", "/metrics", "other"};
+    return paths[r];
 }
 
-/* Tokenizes the messages in the ChatML framing of df_chatml_render (thinking off), with
- * message content treated as untrusted text: special tokens written in a message
- * ("<|im_end|>", "<|im_start|>") are encoded as plain text, so a message cannot forge turn
- * boundaries. The framing tokens are looked up by name. Because the tokenizer encodes the
- * text between added tokens independently, the ids equal those of df_chatml_render's string
- * encoded with special tokens whenever no content contains a special token.
- * A tokenizer without <|im_start|> / <|im_end|> falls back to encoding the rendered string. */
-static df_status encode_chat(const df_tokenizer *tok, const df_chat_request *cr, int32_t **ids, size_t *n,
-                             df_error *err) {
-    *ids = NULL;
-    *n = 0;
-    size_t cap = 0;
-    df_status st = DF_OK;
-    int32_t start = df_tokenizer_token_id(tok, "<|im_start|>"), end = df_tokenizer_token_id(tok, "<|im_end|>");
-    char *text = df_chatml_render(cr->roles, (const char *const *)cr->contents, start < 0 || end < 0 ? cr->n_messages : 0, 0);
-    if (!text) return df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
-    if (start >= 0 && end >= 0) {
-        for (int i = 0; i < cr->n_messages && st == DF_OK; i++) {
-            size_t len = strlen(cr->roles[i]) + strlen(cr->contents[i]) + 2;
-            char *turn = malloc(len);
-            if (!turn) {
-                st = df_error_set(err, DF_ERR_NOMEM, "out of memory rendering the prompt");
-                break;
+/* Tokenizes the prompts of a validated request into j. */
+static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
+    df_api_request *r = &j->req;
+    const df_tokenizer *tok = df_engine_tokenizer(srv->eng);
+    df_error err = {0};
+    char msg[DF_ERROR_MSG_MAX];
+    if (r->route == DF_API_CHAT) {
+        df_status st = df_chat_build(&srv->chat, r->root, r->tool_choice, r->tool_name, 1, &j->chat, &err);
+        if (st) {
+            df_server_redact(srv, err.msg, msg, sizeof msg);
+            if (st == DF_ERR_INVALID_ARG)
+                return df_api_error_set(e, 400, "invalid_request_error", "chat_template_error", "messages", "%s", msg);
+            if (st == DF_ERR_RANGE)
+                return df_api_error_set(e, 400, "invalid_request_error", "chat_template_error", "messages",
+                                        "The chat template exceeded its limits: %s", msg);
+            return df_api_error_set(e, 500, "server_error", NULL, NULL, "%s", msg);
+        }
+        j->n_prompts = 1;
+        j->ids[0] = j->chat.ids;
+        j->n_ids[0] = (int)j->chat.n_ids;
+        if (j->chat.n_ids > INT_MAX / 2) return df_api_error_set(e, 400, "invalid_request_error", NULL, NULL, "too long");
+    } else {
+        for (int i = 0; i < r->n_prompts; i++) {
+            const json_t *p = r->prompts[i];
+            if (json_is_string(p)) {
+                size_t n = 0;
+                if (df_tokenizer_encode(tok, json_string_value(p), json_string_length(p), 1, &j->ids[i], &n, &err)) {
+                    df_server_redact(srv, err.msg, msg, sizeof msg);
+                    return df_api_error_set(e, err.code == DF_ERR_NOMEM ? 500 : 400, "invalid_request_error",
+                                            "invalid_value", "prompt", "%s", msg);
+                }
+                j->n_ids[i] = (int)n;
+                if (r->echo && !(j->echo[i] = strndup(json_string_value(p), json_string_length(p))))
+                    return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            } else {
+                size_t n = json_array_size(p);
+                if (!(j->ids[i] = malloc(n * sizeof(int32_t))))
+                    return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+                for (size_t k = 0; k < n; k++) j->ids[i][k] = (int32_t)json_integer_value(json_array_get(p, k));
+                j->n_ids[i] = (int)n;
+                if (r->echo && df_tokenizer_decode(tok, j->ids[i], n, 0, &j->echo[i], NULL, &err))
+                    return df_api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
             }
-            snprintf(turn, len, "%s\n%s", cr->roles[i], cr->contents[i]);
-            st = append_ids(&start, 1, ids, n, &cap, err);
-            if (st == DF_OK) st = append_encoded(tok, turn, 0, ids, n, &cap, err);
-            if (st == DF_OK) st = append_ids(&end, 1, ids, n, &cap, err);
-            if (st == DF_OK) st = append_encoded(tok, "\n", 0, ids, n, &cap, err);
-            free(turn);
+            j->n_prompts = i + 1;
         }
     }
-    /* the rendered text is the assistant prefix alone, or everything in the fallback */
-    if (st == DF_OK) st = append_encoded(tok, text, 1, ids, n, &cap, err);
-    free(text);
-    if (st != DF_OK) {
-        free(*ids);
-        *ids = NULL;
-        *n = 0;
+    int n_ctx = df_session_max_ctx(srv->session);
+    for (int i = 0; i < j->n_prompts; i++) {
+        if (j->n_ids[i] == 0)
+            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value",
+                                    r->route == DF_API_CHAT ? "messages" : "prompt",
+                                    "The prompt is empty after tokenization.");
+        if (j->n_ids[i] >= n_ctx) {
+            df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error",
+                             r->route == DF_API_CHAT ? "messages" : "prompt",
+                             "The request exceeds the available context size: the prompt has %d tokens and the "
+                             "context holds %d (at least one more is needed for the completion).",
+                             j->n_ids[i], n_ctx);
+            e->n_prompt_tokens = j->n_ids[i];
+            e->n_ctx = n_ctx;
+            return -1;
+        }
     }
-    return st;
+    if (r->forced_output) {
+        size_t n = 0;
+        if (df_tokenizer_encode(tok, r->forced_output, strlen(r->forced_output), 1, &j->forced, &n, &err))
+            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", "dflash_forced_output", "%s",
+                                    err.msg);
+        j->n_forced = (int)n;
+    }
+    /* The server's --max-tokens is the default and the upper bound. */
+    int cap = srv->opt.max_tokens;
+    j->max_tokens = r->gen.max_tokens;
+    if (j->max_tokens <= 0 || (cap > 0 && j->max_tokens > cap)) j->max_tokens = cap;
+    return 0;
 }
 
-static void route_chat(df_server *srv, const df_http_request *req, df_http_response *resp) {
+static void log_arrival(df_server *srv, const df_job *j) {
+    int total = 0;
+    for (int i = 0; i < j->n_prompts; i++) total += j->n_ids[i];
+    const char *reason = strstr(j->x_dflash, "reason=");
+    df_server_log(srv, "#%llu %s POST %s: mode=%s%s%s prompt=%d max_tokens=%d%s%s", (unsigned long long)j->seq,
+                  j->client, route_path(j->route), j->speculative ? "speculative" : "plain",
+                  reason ? " reason=" : "", reason ? reason + 7 : "", total, j->max_tokens,
+                  j->req.stream ? " stream" : "", j->req.tools && j->req.tool_choice ? " tools" : "");
+}
+
+/* Answers a completion request; returns 1 when it was queued (its end is then logged by the
+ * worker), 0 when it was answered at once. */
+static int route_completion(df_server *srv, const df_http_request *req, df_route_label route,
+                            df_http_response *resp) {
     df_api_error e;
     if (req->body_too_large) {
         df_api_error_set(&e, 413, "invalid_request_error", "request_too_large", NULL,
                          "The request body is larger than the limit of %zu bytes.", srv->opt.max_body);
         set_error(resp, &e);
-        return;
+        return 0;
     }
-    df_chat_request cr;
+    if (!ready(srv)) {
+        int failed = atomic_load(&srv->state) == DF_SERVER_FAILED;
+        df_api_error_set(&e, 503, "server_error", failed ? "model_load_failed" : "loading_model", NULL, "%s",
+                         failed ? "The model failed to load." : "The model is still loading; retry shortly.");
+        set_error(resp, &e);
+        resp->retry_after = 5;
+        return 0;
+    }
+    df_job *j = job_new(srv, route, req);
+    if (!j) {
+        set_json(resp, 500, NULL);
+        return 0;
+    }
     const df_pack *pack = df_engine_pack(srv->eng);
-    if (df_chat_request_parse(&cr, req->body, req->body_len, srv->model_id, pack ? &pack->gen : NULL, &e)) {
+    df_api_context ctx = {srv->model_id, pack ? &pack->gen : NULL, df_engine_vocab_size(srv->eng),
+                          srv->opt.top_logprobs_k, srv->opt.test_hooks};
+    if (df_api_request_parse(&j->req, route == DF_ROUTE_CHAT ? DF_API_CHAT : DF_API_COMPLETIONS, req->body,
+                             req->body_len, &ctx, &e) ||
+        prepare_prompts(srv, j, &e)) {
         set_error(resp, &e);
-        return;
+        df_job_unref(j);
+        return 0;
     }
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    df_error err = {0};
-    if (encode_chat(df_engine_tokenizer(srv->eng), &cr, &ids, &n_ids, &err) != DF_OK) {
-        set_engine_error(srv, resp, err.code == DF_ERR_INVALID_ARG ? 400 : 500,
-                         err.code == DF_ERR_INVALID_ARG ? "invalid_request_error" : "server_error", NULL, &err);
-        goto done;
-    }
-    int n_ctx = df_session_max_ctx(srv->session);
-    if (n_ids >= (size_t)n_ctx) {
-        df_api_error_set(&e, 400, "invalid_request_error", "context_length_exceeded", "messages",
-                         "This model's maximum context length is %d tokens, but the messages take %zu tokens.",
-                         n_ctx, n_ids);
+    j->x_dflash = route_decision(srv, &j->req, &j->speculative);
+    make_id(srv, route == DF_ROUTE_CHAT ? "chatcmpl" : "cmpl", j->id, sizeof j->id);
+    if (req->client_fd >= 0) j->client_fd = dup(req->client_fd);
+    if (df_job_enqueue(srv, j, &e)) {
         set_error(resp, &e);
-        goto done;
+        resp->retry_after = j->retry_after > 0 ? j->retry_after : 1;
+        df_job_unref(j);
+        return 0;
     }
-    /* The server's --max-tokens is the default and the upper bound. */
-    int cap = srv->opt.max_tokens;
-    if (cr.gen.max_tokens <= 0 || (cap > 0 && cr.gen.max_tokens > cap)) cr.gen.max_tokens = cap;
+    log_arrival(srv, j);
+    resp->x_dflash = j->x_dflash;
+    if (j->req.stream) {
+        resp->status = 200;
+        resp->content_type = "text/event-stream; charset=utf-8";
+        resp->stream = j; /* the handler's reference passes to the stream */
+        return 1;
+    }
+    pthread_mutex_lock(&j->lock);
+    while (!j->finished) pthread_cond_wait(&j->cond, &j->lock);
+    pthread_mutex_unlock(&j->lock);
+    resp->retry_after = j->retry_after;
+    json_t *body = j->body;
+    j->body = NULL;
+    set_json(resp, j->status, body);
+    df_job_unref(j);
+    return 1;
+}
 
-    gen_ctx g = {srv, req, 0};
-    df_gen_result res;
-    memset(&res, 0, sizeof res);
-    pthread_mutex_lock(&srv->gen_lock);
-    df_status st = DF_ERR_CANCELLED;
-    if (!atomic_load(&srv->stopping))
-        st = df_generate(srv->session, ids, (int)n_ids, &cr.gen, on_token, &g, &res, &err);
-    pthread_mutex_unlock(&srv->gen_lock);
+size_t df_server_stream_read(df_server_stream *s, char *buf, size_t cap) {
+    pthread_mutex_lock(&s->lock);
+    while (s->out_pos == s->out.n && !s->finished) pthread_cond_wait(&s->cond, &s->lock);
+    size_t n = s->out.n - s->out_pos;
+    if (n > cap) n = cap;
+    if (n) memcpy(buf, s->out.p + s->out_pos, n);
+    s->out_pos += n;
+    if (s->out_pos == s->out.n) s->out_pos = s->out.n = 0;
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
 
-    resp->prompt_tokens = res.n_prompt ? res.n_prompt : (int)n_ids;
-    resp->completion_tokens = res.n_ids;
-    resp->gen_ms = res.prompt_ms + res.decode_ms;
-    if (st == DF_ERR_CANCELLED || (st == DF_OK && res.finish == DF_FINISH_CANCELLED)) {
-        df_api_error_set(&e, 503, "server_error", g.client_gone ? "client_closed" : "shutting_down", NULL,
-                         g.client_gone ? "The client closed the connection." : "The server is shutting down.");
-        set_error(resp, &e);
-    } else if (st == DF_ERR_RANGE) {
-        set_engine_error(srv, resp, 400, "invalid_request_error", "context_length_exceeded", &err);
-    } else if (st == DF_ERR_INVALID_ARG) {
-        set_engine_error(srv, resp, 400, "invalid_request_error", "invalid_value", &err);
-    } else if (st != DF_OK) {
-        set_engine_error(srv, resp, 500, "server_error", NULL, &err);
-    } else {
-        resp->finish = df_finish_reason_name(res.finish);
-        resp->x_dflash = X_DFLASH_PLAIN;
-        set_json(resp, 200, chat_response(srv, &res));
-    }
-    df_gen_result_free(&res);
-done:
-    free(ids);
-    df_chat_request_free(&cr);
+void df_server_stream_close(df_server_stream *s) {
+    if (!s) return;
+    atomic_store(&s->cancelled, 1);
+    df_job_unref(s);
+}
+
+static void route_metrics(df_server *srv, df_http_response *resp) {
+    set_body(resp, 200, "text/plain; version=0.0.4; charset=utf-8", df_metrics_render(srv));
 }
 
 static void method_not_allowed(const char *method, const char *path, const char *allow, df_http_response *resp) {
     df_api_error e;
+    char m[24], p[160];
+    printable(method, m, sizeof m);
+    printable(path, p, sizeof p);
     df_api_error_set(&e, 405, "invalid_request_error", "method_not_allowed", NULL,
-                     "Method %.16s is not allowed on %.128s; use %s.", method, path, allow);
+                     "Method %s is not allowed on %s; use %s.", m, p, allow);
     set_error(resp, &e);
     resp->allow = allow;
 }
 
+static df_route_label classify(const char *path) {
+    static const char models[] = "/v1/models";
+    if (!strcmp(path, "/v1/chat/completions")) return DF_ROUTE_CHAT;
+    if (!strcmp(path, "/v1/completions")) return DF_ROUTE_COMPLETIONS;
+    if (!strcmp(path, models)) return DF_ROUTE_MODELS;
+    if (!strncmp(path, models, sizeof models - 1) && path[sizeof models - 1] == '/' && path[sizeof models])
+        return DF_ROUTE_MODEL;
+    if (!strcmp(path, "/health")) return DF_ROUTE_HEALTH;
+    if (!strcmp(path, "/metrics")) return DF_ROUTE_METRICS;
+    return DF_ROUTE_OTHER;
+}
+
+/* The end line of a request that ran no generation (and its count in the metrics). */
+static void log_simple(df_server *srv, const df_http_request *req, df_route_label route, const df_http_response *r,
+                       const struct timespec *t0) {
+    df_metrics_request(&srv->metrics, route, r->status);
+    if (r->status >= 400) {
+        pthread_mutex_lock(&srv->metrics.lock);
+        srv->metrics.errors++;
+        pthread_mutex_unlock(&srv->metrics.lock);
+    }
+    char m[24], path[200], client[64], note[200] = "";
+    printable(req->method, m, sizeof m);
+    printable(req->path, path, sizeof path);
+    printable(req->client ? req->client : "-", client, sizeof client);
+    if (r->status >= 400 && r->body) {
+        json_t *j = json_loadb(r->body, r->body_len, 0, NULL);
+        const char *msg = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+        if (msg) {
+            snprintf(note, sizeof note, " : ");
+            printable(msg, note + 3, sizeof note - 3);
+        }
+        json_decref(j);
+    }
+    df_server_log(srv, "#%llu %s %s %s %d %.1fms%s", (unsigned long long)(atomic_fetch_add(&srv->seq, 1) + 1), client,
+                  m, path, r->status, df_ms_since(t0), note);
+}
+
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp) {
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     memset(resp, 0, sizeof *resp);
-    resp->prompt_tokens = -1;
     resp->content_type = "application/json";
     const char *m = req->method ? req->method : "";
     const char *path = req->path ? req->path : "";
     int get = strcmp(m, "GET") == 0 || strcmp(m, "HEAD") == 0;
+    int post = strcmp(m, "POST") == 0;
+    df_route_label route = classify(path);
     df_api_error e;
 
-    if (strcmp(path, "/health") == 0) {   /* no key needed: for load balancers and probes */
+    if (route == DF_ROUTE_HEALTH) { /* no key needed: for load balancers and probes */
         if (!get) method_not_allowed(m, path, "GET", resp);
-        else set_json(resp, 200, json_pack("{s:s}", "status", "ok"));
-        return;
-    }
-    if (!authorized(srv, req->authorization)) {
+        else route_health(srv, resp);
+    } else if (!authorized(srv, req->authorization)) {
         df_api_error_set(&e, 401, "invalid_request_error", "invalid_api_key", NULL,
                          "Missing or incorrect API key; send 'Authorization: Bearer <key>'.");
         set_error(resp, &e);
         resp->www_authenticate = 1;
-        return;
-    }
-    static const char models[] = "/v1/models";
-    if (strcmp(path, models) == 0) {
+    } else if (route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS) {
+        if (!post) {
+            method_not_allowed(m, path, "POST", resp);
+        } else if (atomic_load(&srv->stopping)) {
+            df_api_error_set(&e, 503, "server_error", "shutting_down", NULL, "The server is shutting down.");
+            set_error(resp, &e);
+        } else {
+            if (route_completion(srv, req, route, resp)) return; /* logged by the worker */
+        }
+    } else if (route == DF_ROUTE_MODELS || route == DF_ROUTE_MODEL || route == DF_ROUTE_METRICS) {
         if (!get) method_not_allowed(m, path, "GET", resp);
-        else route_models(srv, resp);
-    } else if (strncmp(path, models, sizeof models - 1) == 0 && path[sizeof models - 1] == '/' &&
-               path[sizeof models]) {
-        if (!get) method_not_allowed(m, path, "GET", resp);
-        else route_model(srv, path + sizeof models, resp);
-    } else if (strcmp(path, "/v1/chat/completions") == 0) {
-        if (strcmp(m, "POST") != 0) method_not_allowed(m, path, "POST", resp);
-        else route_chat(srv, req, resp);
+        else if (route == DF_ROUTE_MODELS) route_models(srv, resp);
+        else if (route == DF_ROUTE_MODEL) route_model(srv, path + sizeof "/v1/models", resp);
+        else route_metrics(srv, resp);
     } else {
-        df_api_error_set(&e, 404, "invalid_request_error", "not_found", NULL, "Unknown route: %.16s %.128s", m, path);
+        char pm[24], pp[160];
+        printable(m, pm, sizeof pm);
+        printable(path, pp, sizeof pp);
+        df_api_error_set(&e, 404, "invalid_request_error", "not_found", NULL, "Unknown route: %s %s", pm, pp);
         set_error(resp, &e);
     }
+    log_simple(srv, req, route, resp, &t0);
 }

@@ -6,6 +6,11 @@ Environment (set by CTest):
   DFLASH_FIXTURES    the decompressed test fixtures (for DFLASH_E2E_MODEL=tiny-bonsai2)
   DFLASH_E2E_MODEL   "demo" (default: the embedded demo model, found with no --model),
                      "tiny-bonsai2" (the fixture pack) or a pack folder
+  DFLASH_E2E_SANITIZED  set when DFLASH_BIN is an ASan/UBSan build: slower, so timing
+                     bounds are relaxed
+
+The drafter of every speculative test is tests/fixtures/tiny-dflash (random weights, made
+for tiny-bonsai2, whose shapes the demo model shares).
 """
 import json
 import os
@@ -22,6 +27,9 @@ import requests
 SOURCE_DIR = pathlib.Path(os.environ.get("DFLASH_SOURCE_DIR") or pathlib.Path(__file__).resolve().parents[2])
 DFLASH_BIN = os.environ.get("DFLASH_BIN") or str(SOURCE_DIR / "build" / "dflash")
 STARTUP_TIMEOUT_S = 120
+SANITIZED = bool(os.environ.get("DFLASH_E2E_SANITIZED"))
+FIXTURES = pathlib.Path(os.environ.get("DFLASH_FIXTURES") or (SOURCE_DIR / "tests" / "fixtures"))
+DRAFTER = str(FIXTURES / "tiny-dflash")
 
 
 def model_dir():
@@ -30,8 +38,7 @@ def model_dir():
     if choice == "demo":
         return None
     if choice == "tiny-bonsai2":
-        fixtures = os.environ.get("DFLASH_FIXTURES") or str(SOURCE_DIR / "tests" / "fixtures")
-        return str(pathlib.Path(fixtures) / "tiny-bonsai2")
+        return str(FIXTURES / "tiny-bonsai2")
     return choice
 
 
@@ -121,7 +128,8 @@ class Server:
         try:
             self.stop()
         finally:
-            os.unlink(self.log.name)
+            if os.path.exists(self.log.name):
+                os.unlink(self.log.name)
 
     def __enter__(self):
         return self
@@ -130,15 +138,32 @@ class Server:
         self.close()
 
 
-@pytest.fixture(scope="session")
-def server():
-    s = Server()
-    yield s
+def check_clean_exit(s):
+    """Stops s with SIGTERM: it must exit 0 after logging "stopped" (and, under a sanitizer,
+    without a report)."""
     status = s.stop()
     log = s.log_text()
     s.close()
-    assert status == 0, f"dflash serve exited {status} on SIGTERM:\n{log}"
+    assert status == 0, f"dflash serve exited {status} on SIGTERM:\n{log[-4000:]}"
     assert "stopped" in log
+    assert "Sanitizer" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The main server: the drafter loaded (greedy requests are speculative) and the test hook
+    that forces a request's output (dflash_forced_output) enabled."""
+    s = Server("--drafter", DRAFTER, "--test-hooks")
+    yield s
+    check_clean_exit(s)
+
+
+@pytest.fixture(scope="session")
+def plain_server():
+    """A server without a drafter: every request decodes plainly."""
+    s = Server()
+    yield s
+    check_clean_exit(s)
 
 
 @pytest.fixture(scope="session")
@@ -159,7 +184,7 @@ def chat(server, model_id):
 
 
 def chatml(*turns):
-    """The plain ChatML prompt the server renders (thinking off)."""
+    """The prompt the pack's (Qwen3.5) template renders for plain turns, thinking off."""
     s = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
     return s + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
@@ -167,3 +192,20 @@ def chatml(*turns):
 def tokenize(text):
     p = run_cli("tokenize", *model_args(), "--text", text, check=True)
     return json.loads(p.stdout)
+
+
+def assert_error(r, status, code=None, param=None):
+    """r answers with `status` and an OpenAI error object; returns the error."""
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "code", "param"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err

@@ -5,14 +5,19 @@ import re
 
 import pytest
 
-from conftest import DFLASH_BIN, base_env, chatml, model_args, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, base_env, chatml, model_args, run_cli, tokenize
 
+DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
+                 "--draft-window", "--no-draft"]
 COMMAND_OPTIONS = {
-    "generate": ["--model", "--prompt", "--chat", "--prompt-ids", "--temperature", "--top-p", "--top-k", "--min-p",
-                 "--seed", "--max-tokens", "--stop", "--threads", "--json", "--help"],
+    "generate": ["--model", "--prompt", "--chat", "--messages", "--prompt-ids", "--enable-thinking", "--temperature",
+                 "--top-p", "--top-k", "--min-p", "--seed", "--max-tokens", "--stop", "--threads", "--device", *DRAFT_OPTIONS,
+                 "--stats", "--json", "--help"],
     "tokenize": ["--model", "--tokenizer", "--text", "--decode", "--skip-special", "--help"],
-    "serve": ["--model", "--host", "--port", "--model-id", "--threads", "--ctx-size", "--max-tokens", "--max-body",
-              "--api-key", "--help"],
+    "render": ["--model", "--request", "--enable-thinking", "--ids", "--help"],
+    "serve": ["--model", "--host", "--port", "--model-id", "--api-key", "--threads", "--device", "--ctx-size", "--max-tokens",
+              "--enable-thinking", "--top-logprobs-k", "--queue", *DRAFT_OPTIONS, "--max-body", "--max-header",
+              "--max-connections", "--timeout", "--test-hooks", "--help"],
 }
 
 
@@ -30,8 +35,9 @@ def test_generate_json_shape():
     assert out["finish_reason"] in ("stop", "length")
     if out["finish_reason"] == "length":
         assert len(out["ids"]) == 8
-    # --chat renders ChatML with thinking off
+    # --chat renders the pack's template with thinking off
     assert out["prompt_ids"] == tokenize(chatml(("user", "Hello")))
+    assert out["message"]["role"] == "assistant"
 
 
 def test_generate_prompt_forms_agree():
@@ -135,6 +141,17 @@ def test_top_level_help_and_errors():
     ["serve", "--bogus"],
     ["serve", "--port", "70000"],
     ["serve", "--host", "0.0.0.0"],
+    ["serve", "--draft-block", "4"],
+    ["serve", "--drafter", "x", "--draft-block", "17"],
+    ["serve", "--drafter", "x", "--draft-block-min", "4"],
+    ["serve", "--queue", "-1"],
+    ["serve", "--top-logprobs-k", "21"],
+    ["generate", "--chat", "hi", "--no-draft"],
+    ["generate", "--chat", "hi", "--drafter", "x", "--draft-adaptive", "--draft-block-min", "8",
+     "--draft-block-max", "4"],
+    ["generate", "--chat", "hi", "--messages", "f.json"],
+    ["render"],
+    ["render", "--request", "f.json", "--bogus"],
 ])
 def test_usage_errors_exit_2(args):
     p = run_cli(*args)
@@ -165,3 +182,117 @@ def test_env_model_is_used(tmp_path):
 
 def test_binary_exists():
     assert os.access(DFLASH_BIN, os.X_OK)
+
+
+# ---- chat template: render, --messages -------------------------------------------------
+
+def write_json(tmp_path, name, obj):
+    f = tmp_path / name
+    f.write_text(json.dumps(obj))
+    return str(f)
+
+
+def test_render_prints_the_exact_prompt(tmp_path):
+    req = write_json(tmp_path, "r.json", {"messages": [{"role": "system", "content": "Be brief."},
+                                                       {"role": "user", "content": "Hi"}]})
+    p = run_cli("render", *model_args(), "--request", req, check=True)
+    assert p.stdout == chatml(("system", "Be brief."), ("user", "Hi"))
+    # thinking: the server's default, overridden by the request either way
+    p = run_cli("render", *model_args(), "--request", req, "--enable-thinking", check=True)
+    assert p.stdout.endswith("<|im_start|>assistant\n<think>\n")
+    off = write_json(tmp_path, "off.json", {"messages": [{"role": "user", "content": "Hi"}],
+                                             "chat_template_kwargs": {"enable_thinking": False}})
+    assert run_cli("render", *model_args(), "--request", off, "--enable-thinking",
+                   check=True).stdout.endswith("<think>\n\n</think>\n\n")
+    on = write_json(tmp_path, "on.json", {"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": True})
+    assert run_cli("render", *model_args(), "--request", on, check=True).stdout.endswith("assistant\n<think>\n")
+    # --ids: the tokens of that text
+    ids = json.loads(run_cli("render", *model_args(), "--request", req, "--ids", check=True).stdout)
+    assert ids == tokenize(chatml(("system", "Be brief."), ("user", "Hi")))
+
+
+def test_render_bare_message_list_and_tools(tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    bare = write_json(tmp_path, "bare.json", msgs)
+    assert run_cli("render", *model_args(), "--request", bare, check=True).stdout == chatml(("user", "Weather?"))
+    auto = run_cli("render", *model_args(), "--request", write_json(tmp_path, "a.json", {"messages": msgs, "tools": tools}),
+                   check=True).stdout
+    assert "# Tools" in auto and "get_weather" in auto
+    none = run_cli("render", *model_args(), "--request",
+                   write_json(tmp_path, "n.json", {"messages": msgs, "tools": tools, "tool_choice": "none"}),
+                   check=True).stdout
+    assert none == chatml(("user", "Weather?"))
+    req = run_cli("render", *model_args(), "--request",
+                  write_json(tmp_path, "q.json", {"messages": msgs, "tools": tools, "tool_choice": "required"}),
+                  check=True).stdout
+    assert req == auto + "<tool_call>\n"
+    named = run_cli("render", *model_args(), "--request", write_json(tmp_path, "f.json", {
+        "messages": msgs, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        check=True).stdout
+    assert named == auto + "<tool_call>\n<function=get_weather>\n"
+
+
+def test_render_template_error_exits_1(tmp_path):
+    # Qwen3.5's template raises when no user message is present
+    p = run_cli("render", *model_args(), "--request",
+                write_json(tmp_path, "s.json", {"messages": [{"role": "system", "content": "x"}]}))
+    assert p.returncode == 1
+    assert "No user query found in messages." in p.stderr
+    assert p.stdout == ""
+    p = run_cli("render", *model_args(), "--request", write_json(tmp_path, "bad.json", {"messages": []}))
+    assert p.returncode == 1 and "messages" in p.stderr
+    (tmp_path / "broken.json").write_text("{")
+    p = run_cli("render", *model_args(), "--request", str(tmp_path / "broken.json"))
+    assert p.returncode == 1 and "invalid JSON" in p.stderr
+
+
+def test_generate_messages_file(tmp_path):
+    req = write_json(tmp_path, "m.json", {"messages": [{"role": "user", "content": "def fib(n):"}]})
+    a = generate_json("--messages", req, "--max-tokens", "8")
+    b = generate_json("--chat", "def fib(n):", "--max-tokens", "8")
+    assert a["prompt_ids"] == b["prompt_ids"] and a["ids"] == b["ids"]
+    assert a["message"]["content"] == b["message"]["content"]
+
+
+# ---- drafter ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], ["--draft-block", "4"], ["--draft-block", "16"],
+                                   ["--draft-adaptive", "--draft-block-min", "2", "--draft-block-max", "12"],
+                                   ["--draft-window", "8"]])
+def test_generate_speculative_equals_plain(extra):
+    plain = generate_json("--chat", "def fib(n):", "--max-tokens", "40")
+    spec = generate_json("--chat", "def fib(n):", "--max-tokens", "40", "--drafter", DRAFTER, *extra)
+    assert spec["ids"] == plain["ids"]
+    assert spec["text"] == plain["text"]
+    assert spec["draft_rounds"] > 0 and spec["draft_n"] >= spec["draft_rounds"]
+    assert 0 <= spec["draft_n_accepted"] <= spec["draft_n"]
+    assert "draft_rounds" not in plain
+
+
+def test_generate_stats_and_no_draft():
+    p = run_cli("generate", *model_args(), "--chat", "Hello", "--max-tokens", "12", "--drafter", DRAFTER, "--stats",
+                check=True)
+    m = re.search(r"draft_rounds (\d+), draft_n (\d+), draft_n_accepted (\d+), tokens/round ([0-9.]+), "
+                  r"acceptance ([0-9.]+)", p.stderr)
+    assert m, p.stderr
+    rounds, n, acc = int(m[1]), int(m[2]), int(m[3])
+    assert rounds > 0 and n > 0 and 0 <= acc <= n
+    assert abs(float(m[4]) - (acc + rounds) / rounds) < 0.01
+    assert "(speculative)" in p.stderr
+    q = run_cli("generate", *model_args(), "--chat", "Hello", "--max-tokens", "12", "--drafter", DRAFTER, "--no-draft",
+                "--stats", check=True)
+    assert "draft_rounds 0," in q.stderr and "(plain decoding)" in q.stderr
+    assert q.stdout == p.stdout
+
+
+def test_generate_bad_drafter_fails(tmp_path):
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--drafter", str(tmp_path / "none"))
+    assert p.returncode == 1 and "drafter" in p.stderr
+
+
+def test_generate_dflash2_drafter_equals_plain():
+    drafter2 = DRAFTER.replace("tiny-dflash", "tiny-dflash2")
+    plain = generate_json("--chat", "class Stack:", "--max-tokens", "32")
+    spec = generate_json("--chat", "class Stack:", "--max-tokens", "32", "--drafter", drafter2)
+    assert spec["ids"] == plain["ids"] and spec["draft_rounds"] > 0

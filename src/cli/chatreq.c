@@ -1,0 +1,41 @@
+/* dflash command line: chat requests read from files and rendered with the pack's template,
+ * exactly as the server does (src/server/openai.c validates, src/server/prompt.c renders). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "cli/cli.h"
+#include "server/openai.h"
+
+int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab, df_api_request *req) {
+    json_error_t je;
+    json_t *root = json_load_file(path, JSON_DECODE_ANY, &je);
+    if (!root) {
+        cli_error(cmd, "%s: invalid JSON at line %d, column %d: %s", path, je.line, je.column, je.text);
+        return -1;
+    }
+    if (json_is_array(root)) { /* a bare list of messages */
+        json_t *obj = json_pack("{s:o}", "messages", root);
+        root = obj;
+    }
+    if (!json_is_object(root)) {
+        cli_error(cmd, "%s: expected a chat request object or an array of messages", path);
+        json_decref(root);
+        return -1;
+    }
+    /* the file's "model" is not checked against the served id */
+    json_t *model = json_object_get(root, "model");
+    const char *id = json_is_string(model) ? json_string_value(model) : model_id;
+    char *body = json_dumps(root, JSON_COMPACT);
+    df_api_context ctx = {id ? id : "", NULL, vocab, 20, 0};
+    df_api_error e;
+    int rc = body ? df_api_request_parse(req, DF_API_CHAT, body, strlen(body), &ctx, &e) : -1;
+    if (!body) cli_error(cmd, "out of memory");
+    else if (rc && e.param[0]) cli_error(cmd, "%s: %s (param %s)", path, e.message, e.param);
+    else if (rc) cli_error(cmd, "%s: %s", path, e.message);
+    free(body);
+    json_decref(root);
+    return rc;
+}

@@ -1,0 +1,526 @@
+/* dflash server: the generation worker — model loading, the FIFO queue, generation of each
+ * job (plain or speculative), the chat output parser, and the answers: one JSON body, or
+ * Server-Sent Events (OpenAI chat.completion.chunk / text_completion chunks).
+ *
+ * One thread runs every generation on the server's single session. A job's text callback
+ * checks, once per token (so within one speculative round), whether the server is stopping
+ * or the client went away (its socket polled for a hang-up), and stops the generation if so.
+ */
+#include "server/server_impl.h"
+
+#include <math.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dflash/speculative.h"
+
+/* ---- loading ------------------------------------------------------------------------ */
+
+static int load_model(df_server *srv) {
+    df_error err = {0};
+    df_engine_options eo = {.n_threads = srv->opt.n_threads, .device = srv->opt.device};
+    df_status st = df_engine_load(&srv->eng, srv->model_dir, &eo, &err);
+    if (!st) st = df_chat_setup_init(&srv->chat, srv->model_dir, df_engine_tokenizer(srv->eng), srv->opt.enable_thinking,
+                                     &err);
+    if (!st) st = df_session_init(&srv->session, srv->eng, srv->opt.ctx_size, &err);
+    if (!st && srv->drafter_dir) {
+        st = df_drafter_load(&srv->drafter, srv->drafter_dir, srv->eng, &err);
+        if (st) df_error_prefix(&err, "drafter");
+        if (!st) st = df_draft_state_init(&srv->dstate, srv->drafter, srv->opt.draft_window, &err);
+    }
+    if (st) {
+        df_server_redact(srv, err.msg, srv->load_error, sizeof srv->load_error);
+        atomic_store(&srv->state, DF_SERVER_FAILED);
+        df_server_log(srv, "loading failed: %s", srv->load_error);
+        return -1;
+    }
+    const df_drafter_config *dc = srv->drafter ? df_drafter_get_config(srv->drafter) : NULL;
+    char spec[160] = "no drafter";
+    if (dc) {
+        const df_spec_params *sp = &srv->opt.spec;
+        int block = sp->block ? sp->block : (dc->block_size < 16 ? dc->block_size : 16);
+        if (sp->adaptive)
+            snprintf(spec, sizeof spec, "drafter loaded: adaptive block %d in %d..%d, window %d%s", block, sp->block_min,
+                     sp->block_max, srv->opt.draft_window, srv->opt.no_draft ? ", speculation disabled" : "");
+        else
+            snprintf(spec, sizeof spec, "drafter loaded: block %d, window %d%s", block, srv->opt.draft_window,
+                     srv->opt.no_draft ? ", speculation disabled" : "");
+    }
+    df_server_log(srv, "model '%s' ready: context %d, chat template %s, %s, peak RSS %.1f MiB", srv->model_id,
+                  df_session_max_ctx(srv->session), srv->chat.builtin ? "built-in ChatML" : "from the pack", spec,
+                  df_peak_rss_mib());
+    atomic_store(&srv->state, DF_SERVER_READY);
+    return 0;
+}
+
+/* ---- queue -------------------------------------------------------------------------- */
+
+int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e) {
+    pthread_mutex_lock(&srv->qlock);
+    int rc = 0;
+    if (atomic_load(&srv->stopping)) {
+        rc = df_api_error_set(e, 503, "server_error", "shutting_down", NULL, "The server is shutting down.");
+    } else if (srv->n_waiting >= srv->opt.queue && (srv->running || srv->n_waiting > 0)) {
+        pthread_mutex_lock(&srv->metrics.lock);
+        double avg = srv->metrics.avg_job_s;
+        pthread_mutex_unlock(&srv->metrics.lock);
+        double wait = avg * (srv->n_waiting + 1);
+        j->retry_after = wait < 1 ? 1 : wait > 60 ? 60 : (int)ceil(wait);
+        rc = df_api_error_set(e, 503, "server_error", "queue_full", NULL,
+                              "The server is busy: %d requests are waiting (the limit). Retry after %d s.",
+                              srv->n_waiting, j->retry_after);
+    } else {
+        atomic_fetch_add(&j->refs, 1);
+        j->next = NULL;
+        if (srv->qtail) srv->qtail->next = j;
+        else srv->qhead = j;
+        srv->qtail = j;
+        srv->n_waiting++;
+        pthread_cond_signal(&srv->qcond);
+    }
+    pthread_mutex_unlock(&srv->qlock);
+    return rc;
+}
+
+static df_job *dequeue(df_server *srv) {
+    pthread_mutex_lock(&srv->qlock);
+    while (!srv->qhead && !atomic_load(&srv->stopping)) pthread_cond_wait(&srv->qcond, &srv->qlock);
+    df_job *j = srv->qhead;
+    if (j) {
+        srv->qhead = j->next;
+        if (!srv->qhead) srv->qtail = NULL;
+        srv->n_waiting--;
+        srv->running = j;
+    }
+    pthread_mutex_unlock(&srv->qlock);
+    return j;
+}
+
+/* ---- output ------------------------------------------------------------------------- */
+
+static void out_put(df_job *j, const char *s, size_t n) {
+    pthread_mutex_lock(&j->lock);
+    if (jbuf_put(&j->out, s, n)) atomic_store(&j->cancelled, 1); /* out of memory: give up */
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+}
+
+/* Sends one SSE event "data: <json>\n\n" (takes the reference to obj). */
+static void sse_json(df_job *j, json_t *obj) {
+    char *s = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+    json_decref(obj);
+    if (!s) {
+        atomic_store(&j->cancelled, 1);
+        return;
+    }
+    size_t n = strlen(s);
+    pthread_mutex_lock(&j->lock);
+    int bad = jbuf_put(&j->out, "data: ", 6) || jbuf_put(&j->out, s, n) || jbuf_put(&j->out, "\n\n", 2);
+    if (bad) atomic_store(&j->cancelled, 1);
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+    free(s);
+}
+
+/* {"id", "object", "created", "model"} of a chunk or response */
+static json_t *envelope(const df_job *j, const char *object) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s}", "id", j->id, "object", object, "created", (json_int_t)j->created,
+                          "model", j->srv->model_id);
+    if (o && j->req.stream && j->req.include_usage) json_object_set_new(o, "usage", json_null());
+    return o;
+}
+
+static int is_chat(const df_job *j) { return j->req.route == DF_API_CHAT; }
+
+/* A chunk with one choice. */
+static json_t *chunk(const df_job *j, int index, json_t *delta_or_text, json_t *logprobs, const char *finish) {
+    json_t *c = envelope(j, is_chat(j) ? "chat.completion.chunk" : "text_completion");
+    json_t *choice = is_chat(j) ? json_pack("{s:i, s:o, s:o, s:s?}", "index", index, "delta", delta_or_text,
+                                            "logprobs", logprobs ? logprobs : json_null(), "finish_reason", finish)
+                                : json_pack("{s:i, s:o, s:o, s:s?}", "index", index, "text", delta_or_text,
+                                            "logprobs", logprobs ? logprobs : json_null(), "finish_reason", finish);
+    if (!c || !choice) {
+        json_decref(c);
+        json_decref(choice);
+        return NULL;
+    }
+    json_object_set_new(c, "choices", json_pack("[o]", choice));
+    return c;
+}
+
+/* ---- generation --------------------------------------------------------------------- */
+
+typedef struct gen_ctx {
+    df_job *j;
+    int index;                /* prompt / choice index */
+    df_chat_parser *parser;   /* chat stream */
+    df_chat_deltas deltas;
+    df_token_info *pending;   /* stream with logprobs: token infos not yet sent */
+    int n_pending, cap_pending;
+    size_t text_sent;         /* completions stream: bytes sent (legacy text_offset) */
+    int client_gone;
+} gen_ctx;
+
+static int should_stop(gen_ctx *c) {
+    df_job *j = c->j;
+    if (atomic_load(&j->srv->stopping)) return 1;
+    if (atomic_load(&j->cancelled)) return c->client_gone = 1;
+    if (j->client_fd >= 0) {
+        struct pollfd p = {.fd = j->client_fd, .events = POLLRDHUP};
+        if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) {
+            atomic_store(&j->cancelled, 1);
+            return c->client_gone = 1;
+        }
+    }
+    return 0;
+}
+
+/* The pending token infos as a chunk's logprobs (and clears them), or NULL when none. */
+static json_t *take_logprobs(gen_ctx *c) {
+    if (!c->j->req.gen.logprobs || c->n_pending == 0) return NULL;
+    const df_tokenizer *tok = df_engine_tokenizer(c->j->srv->eng);
+    json_t *lp;
+    if (is_chat(c->j)) {
+        json_t *content = json_array();
+        for (int i = 0; content && i < c->n_pending; i++)
+            json_array_append_new(content, df_api_logprob_entry(tok, &c->pending[i]));
+        lp = json_pack("{s:o*}", "content", content);
+    } else {
+        lp = df_api_completion_logprobs(tok, c->pending, c->n_pending, c->text_sent);
+    }
+    c->n_pending = 0;
+    return lp;
+}
+
+static json_t *delta_object(const df_chat_delta *d) {
+    switch (d->kind) {
+    case DF_CHAT_DELTA_REASONING: return json_pack("{s:s%}", "reasoning_content", d->text, d->len);
+    case DF_CHAT_DELTA_CONTENT: return json_pack("{s:s%}", "content", d->text, d->len);
+    case DF_CHAT_DELTA_TOOL_START:
+        return json_pack("{s:[{s:i, s:s, s:s, s:{s:s, s:s}}]}", "tool_calls", "index", d->tool_index, "id", d->id,
+                         "type", "function", "function", "name", d->name, "arguments", "");
+    case DF_CHAT_DELTA_TOOL_ARGS:
+        return json_pack("{s:[{s:i, s:{s:s%}}]}", "tool_calls", "index", d->tool_index, "function", "arguments",
+                         d->text, d->len);
+    }
+    return NULL;
+}
+
+static void send_deltas(gen_ctx *c) {
+    for (size_t i = 0; i < c->deltas.n; i++) {
+        json_t *d = delta_object(&c->deltas.items[i]);
+        sse_json(c->j, d ? chunk(c->j, c->index, d, take_logprobs(c), NULL) : NULL);
+    }
+    df_chat_deltas_reset(&c->deltas);
+}
+
+static int on_token_info(void *user, const df_token_info *info) {
+    gen_ctx *c = user;
+    if (!c->j->req.stream) return should_stop(c);
+    if (c->n_pending == c->cap_pending) {
+        int cap = c->cap_pending ? c->cap_pending * 2 : 16;
+        df_token_info *p = realloc(c->pending, (size_t)cap * sizeof *p);
+        if (!p) return 1;
+        c->pending = p;
+        c->cap_pending = cap;
+    }
+    c->pending[c->n_pending++] = *info;
+    return should_stop(c);
+}
+
+static int on_text(void *user, int32_t id, const char *text, size_t len) {
+    (void)id;
+    gen_ctx *c = user;
+    if (should_stop(c)) return 1;
+    df_job *j = c->j;
+    if (!j->req.stream) return 0;
+    if (is_chat(j)) {
+        df_error err = {0};
+        if (len && df_chat_parser_feed(c->parser, text, len, &c->deltas, &err)) return 1;
+        send_deltas(c);
+    } else if (len) {
+        json_t *t = df_json_text(text, len);
+        json_t *lp = take_logprobs(c);
+        c->text_sent += len;
+        sse_json(j, t ? chunk(j, c->index, t, lp, NULL) : NULL);
+    }
+    return atomic_load(&j->cancelled);
+}
+
+static const char *finish_name(const df_gen_result *res, int tool_calls) {
+    if (tool_calls > 0) return "tool_calls";
+    return res->finish == DF_FINISH_LENGTH ? "length" : "stop";
+}
+
+static df_status new_parser(const df_job *j, df_chat_parser **p, df_error *err) {
+    df_chat_parse_options po = {
+        .thinking_open = j->chat.thinking_open,
+        .parse_tool_calls = j->req.tools && j->req.tool_choice != DF_TOOL_CHOICE_NONE,
+        .tools = j->req.tools,
+        .id_seed = j->req.gen.sampling.has_seed ? j->req.gen.sampling.seed : j->srv->id_seed ^ j->seq,
+    };
+    return df_chat_parser_new(&po, p, err);
+}
+
+/* The non-streamed assistant message of a chat job: the parser over prefix + text. */
+static json_t *chat_message(const df_job *j, const df_gen_result *res, int *n_calls) {
+    df_chat_parser *p = NULL;
+    df_chat_deltas d = {0};
+    df_chat_message m = {0};
+    df_error err = {0};
+    json_t *msg = NULL;
+    if (new_parser(j, &p, &err) == DF_OK && df_chat_parser_feed(p, j->chat.prefix, strlen(j->chat.prefix), &d, &err) == DF_OK &&
+        df_chat_parser_feed(p, res->text ? res->text : "", res->text_len, &d, &err) == DF_OK &&
+        df_chat_parser_finish(p, &d, &err) == DF_OK && df_chat_message_apply(&m, &d, &err) == DF_OK) {
+        msg = df_chat_message_to_json(&m);
+        *n_calls = (int)m.n_tool_calls;
+    }
+    df_chat_message_free(&m);
+    df_chat_deltas_free(&d);
+    df_chat_parser_free(p);
+    return msg;
+}
+
+/* Ends a job: its result is complete (or its stream), the end line is logged. */
+static void finish_job(df_job *j, int status) {
+    df_job_log_end(j, status);
+    pthread_mutex_lock(&j->lock);
+    j->status = status;
+    j->finished = 1;
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+}
+
+/* Ends a job with an error: a JSON error body, or an error event in a stream. */
+static void fail_job(df_job *j, int status, const char *type, const char *code, const char *msg) {
+    df_api_error e;
+    df_api_error_set(&e, status, type, code, NULL, "%s", msg);
+    snprintf(j->note, sizeof j->note, "%s", msg);
+    if (j->req.stream) {
+        sse_json(j, df_api_error_json(&e));
+    } else {
+        json_decref(j->body);
+        j->body = df_api_error_json(&e);
+    }
+    if (status == 503) j->retry_after = 1;
+    finish_job(j, status);
+}
+
+static void add_result(df_job *j, const df_gen_result *res) {
+    j->prompt_tokens += res->n_prompt;
+    j->completion_tokens += res->n_ids;
+    j->prompt_ms += res->prompt_ms;
+    j->decode_ms += res->decode_ms;
+    j->draft_rounds += res->draft_rounds;
+    j->draft_n += res->draft_n;
+    j->draft_accepted += res->draft_n_accepted;
+}
+
+/* Timings of the whole job (all prompts). */
+static json_t *job_timings(const df_job *j) {
+    df_gen_result sum;
+    memset(&sum, 0, sizeof sum);
+    sum.n_ids = j->completion_tokens;
+    sum.prompt_ms = j->prompt_ms;
+    sum.decode_ms = j->decode_ms;
+    sum.draft_rounds = j->draft_rounds;
+    sum.draft_n = j->draft_n;
+    sum.draft_n_accepted = j->draft_accepted;
+    return df_api_timings(&sum, j->prompt_tokens, j->speculative);
+}
+
+static void run_job(df_job *j) {
+    df_server *srv = j->srv;
+    const int stream = j->req.stream, chat = is_chat(j);
+    const df_tokenizer *tok = df_engine_tokenizer(srv->eng);
+    json_t *choices = json_array();
+    gen_ctx c;
+    memset(&c, 0, sizeof c);
+    c.j = j;
+    df_error err = {0};
+    df_status st = DF_OK;
+    if (stream && chat)
+        sse_json(j, chunk(j, 0, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL, NULL));
+    for (int i = 0; i < j->n_prompts && st == DF_OK; i++) {
+        c.index = i;
+        c.text_sent = 0;
+        c.n_pending = 0;
+        if (stream && chat) {
+            st = new_parser(j, &c.parser, &err);
+            if (!st) st = df_chat_parser_feed(c.parser, j->chat.prefix, strlen(j->chat.prefix), &c.deltas, &err);
+            if (st) break;
+            send_deltas(&c);
+        }
+        if (stream && !chat && j->echo[i]) {
+            c.text_sent = strlen(j->echo[i]);
+            sse_json(j, chunk(j, i, df_json_text(j->echo[i], c.text_sent), NULL, NULL));
+        }
+        df_gen_params gp = j->req.gen;
+        gp.max_tokens = j->max_tokens;
+        gp.forced_ids = j->forced;
+        gp.n_forced_ids = j->n_forced;
+        gp.on_token = gp.logprobs ? on_token_info : NULL;
+        df_gen_result res;
+        memset(&res, 0, sizeof res);
+        if (j->speculative)
+            st = df_generate_speculative(srv->session, srv->dstate, j->ids[i], j->n_ids[i], &gp, &srv->opt.spec,
+                                         on_text, &c, &res, &err);
+        else
+            st = df_generate(srv->session, j->ids[i], j->n_ids[i], &gp, on_text, &c, &res, &err);
+        add_result(j, &res);
+        if (st == DF_OK && res.finish == DF_FINISH_CANCELLED) st = DF_ERR_CANCELLED;
+        j->finish = res.finish == DF_FINISH_LENGTH ? "length" : res.finish == DF_FINISH_STOP ? "stop" : NULL;
+        if (st == DF_OK && stream) {
+            int calls = 0;
+            if (chat) {
+                if (df_chat_parser_finish(c.parser, &c.deltas, &err)) st = err.code;
+                send_deltas(&c);
+                calls = df_chat_parser_tool_calls(c.parser);
+            }
+            json_t *last = chunk(j, i, chat ? json_object() : json_string(""), take_logprobs(&c), finish_name(&res, calls));
+            if (last && i == j->n_prompts - 1) json_object_set_new(last, "timings", job_timings(j));
+            sse_json(j, last);
+        } else if (st == DF_OK) {
+            int calls = 0;
+            json_t *choice;
+            if (chat) {
+                json_t *msg = chat_message(j, &res, &calls);
+                json_t *lp = NULL;
+                if (res.token_info) {
+                    json_t *content = json_array();
+                    for (int k = 0; content && k < res.n_ids; k++)
+                        json_array_append_new(content, df_api_logprob_entry(tok, &res.token_info[k]));
+                    lp = json_pack("{s:o*}", "content", content);
+                }
+                choice = msg ? json_pack("{s:i, s:o, s:o, s:s}", "index", i, "message", msg, "logprobs",
+                                         lp ? lp : json_null(), "finish_reason", finish_name(&res, calls))
+                             : NULL;
+            } else {
+                size_t off = j->echo[i] ? strlen(j->echo[i]) : 0;
+                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_ids, off) : NULL;
+                jbuf t = {0};
+                if (jbuf_puts(&t, j->echo[i] ? j->echo[i] : "") || jbuf_put(&t, res.text ? res.text : "", res.text_len))
+                    choice = NULL;
+                else
+                    choice = json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text", df_json_text(t.p ? t.p : "", t.n),
+                                       "logprobs", lp ? lp : json_null(), "finish_reason", finish_name(&res, 0));
+                jbuf_free(&t);
+            }
+            if (!choice || json_array_append_new(choices, choice)) st = DF_ERR_NOMEM;
+        }
+        df_gen_result_free(&res);
+        df_chat_parser_free(c.parser);
+        c.parser = NULL;
+        df_chat_deltas_free(&c.deltas);
+    }
+    free(c.pending);
+
+    if (st == DF_ERR_CANCELLED || atomic_load(&srv->stopping)) {
+        json_decref(choices);
+        if (c.client_gone || atomic_load(&j->cancelled)) {
+            snprintf(j->note, sizeof j->note, "the client closed the connection");
+            j->body = NULL;
+            finish_job(j, 499);
+        } else {
+            fail_job(j, 503, "server_error", "shutting_down", "The server is shutting down.");
+        }
+        return;
+    }
+    if (st != DF_OK) {
+        json_decref(choices);
+        char msg[DF_ERROR_MSG_MAX];
+        df_server_redact(srv, err.msg[0] ? err.msg : "out of memory", msg, sizeof msg);
+        if (st == DF_ERR_RANGE || st == DF_ERR_INVALID_ARG)
+            fail_job(j, 400, "invalid_request_error", "invalid_value", msg);
+        else
+            fail_job(j, 500, "server_error", NULL, msg);
+        return;
+    }
+    if (stream) {
+        if (j->req.include_usage) {
+            json_t *u = envelope(j, chat ? "chat.completion.chunk" : "text_completion");
+            if (u) {
+                json_object_set_new(u, "choices", json_array());
+                json_object_set_new(u, "usage", df_api_usage(j->prompt_tokens, j->completion_tokens));
+            }
+            sse_json(j, u);
+        }
+        out_put(j, "data: [DONE]\n\n", 14);
+        json_decref(choices);
+        finish_job(j, 200);
+        return;
+    }
+    json_t *body = envelope(j, chat ? "chat.completion" : "text_completion");
+    if (body) {
+        json_object_set_new(body, "choices", choices);
+        json_object_set_new(body, "usage", df_api_usage(j->prompt_tokens, j->completion_tokens));
+        json_object_set_new(body, "timings", job_timings(j));
+        j->body = body;
+        finish_job(j, 200);
+    } else {
+        json_decref(choices);
+        fail_job(j, 500, "server_error", NULL, "out of memory");
+    }
+}
+
+void *df_worker_main(void *arg) {
+    df_server *srv = arg;
+    int loaded = load_model(srv) == 0;
+    for (;;) {
+        df_job *j = dequeue(srv);
+        if (!j) break; /* stopping, nothing left */
+        if (!loaded || atomic_load(&srv->stopping)) {
+            fail_job(j, 503, "server_error", "shutting_down", "The server is shutting down.");
+        } else {
+            gen_ctx probe = {.j = j};
+            if (should_stop(&probe)) { /* the client left while waiting */
+                snprintf(j->note, sizeof j->note, "the client closed the connection");
+                finish_job(j, 499);
+            } else {
+                run_job(j);
+            }
+        }
+        pthread_mutex_lock(&srv->qlock);
+        srv->running = NULL;
+        pthread_mutex_unlock(&srv->qlock);
+        df_job_unref(j);
+    }
+    return NULL;
+}
+
+/* ---- end of a job: log line and metrics ------------------------------------------------ */
+
+void df_job_log_end(df_job *j, int status) {
+    df_server *srv = j->srv;
+    double total_ms = df_ms_since(&j->t0);
+    double tps = j->decode_ms > 0 ? j->completion_tokens * 1000.0 / j->decode_ms : 0.0;
+    df_metrics *m = &srv->metrics;
+    df_metrics_request(m, j->route, status);
+    pthread_mutex_lock(&m->lock);
+    m->prompt_tokens += (uint64_t)j->prompt_tokens;
+    m->generated_tokens += (uint64_t)j->completion_tokens;
+    m->draft_rounds += (uint64_t)j->draft_rounds;
+    m->draft_n += (uint64_t)j->draft_n;
+    m->draft_accepted += (uint64_t)j->draft_accepted;
+    if (j->speculative) m->speculative++;
+    else m->plain++;
+    if (status >= 400 && status != 499) m->errors++;
+    if (status == 499) m->cancelled++;
+    if (j->completion_tokens > 0) m->last_tps = tps;
+    m->gen_seconds += (j->prompt_ms + j->decode_ms) / 1000.0;
+    m->avg_job_s = m->avg_job_s > 0 ? 0.8 * m->avg_job_s + 0.2 * total_ms / 1000.0 : total_ms / 1000.0;
+    pthread_mutex_unlock(&m->lock);
+
+    char accept[96] = "";
+    if (j->speculative && j->draft_n > 0)
+        snprintf(accept, sizeof accept, " accept=%.2f (%d/%d, %.2f tok/round)", (double)j->draft_accepted / j->draft_n,
+                 j->draft_accepted, j->draft_n,
+                 j->draft_rounds ? (double)(j->draft_accepted + j->draft_rounds) / j->draft_rounds : 0.0);
+    df_server_log(srv, "#%llu %s POST %s %d %.1fms prompt=%d completion=%d%s%s %.1f tok/s%s peak_rss=%.1fMiB%s%s",
+                  (unsigned long long)j->seq, j->client,
+                  j->route == DF_ROUTE_CHAT ? "/v1/chat/completions" : "/v1/completions", status, total_ms,
+                  j->prompt_tokens, j->completion_tokens, j->finish ? " finish=" : "", j->finish ? j->finish : "", tps,
+                  accept, df_peak_rss_mib(), j->note[0] ? " : " : "", j->note);
+}

@@ -1,0 +1,578 @@
+"""The OpenAI API end to end: streaming, reasoning, tool calls, logprobs, logit_bias, routing
+(x-dflash), speculative == plain through the server, /v1/completions, /metrics, the queue.
+
+How tool calls and reasoning are exercised with a random-weight model: such a model never
+writes `<tool_call>` or `</think>` on its own, so two honest routes are used.
+ 1. Forcing through the public API: a named tool_choice makes the server start the answer
+    with "<tool_call>\\n<function=NAME>\\n" (documented behaviour) and logit_bias +100 on the
+    `</tool_call>` token makes the model close it; the real model, decoder, detokenizer, parser
+    and SSE writer produce the call. Likewise logit_bias on `</think>` closes reasoning.
+ 2. The server's --test-hooks option (off by default, testing only) honours a request field
+    "dflash_forced_output": its tokens replace the sampled ones inside the generation loop
+    (the model still runs every step), so a full tool call with parameters, or a reasoning
+    block, goes through exactly the production path after sampling.
+The split of a real (unforced) output is also checked against the raw text of the same greedy
+generation read through /v1/completions.
+"""
+import json
+import signal
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from conftest import DRAFTER, SANITIZED, Server, check_clean_exit, run_cli, model_args
+
+PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "class Stack:"]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+TOOL_CALL_END = 1999   # </tool_call>
+THINK_END = 2009       # </think>
+IM_END = "<|im_end|>"
+
+
+def msgs(text):
+    return [{"role": "user", "content": text}]
+
+
+def post(url, path, body, **kw):
+    return requests.post(url + path, json=body, timeout=kw.pop("timeout", 300), **kw)
+
+
+def chat(url, body):
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json(), r.headers
+
+
+def stream(url, body, path="/v1/chat/completions"):
+    """Posts a streaming request; returns (headers, [events]) with "[DONE]" kept as a string."""
+    r = requests.post(url + path, json={**body, "stream": True}, stream=True, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    for raw in r.iter_lines():
+        line = raw.decode("utf-8")
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[6:]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return r.headers, events
+
+
+def assemble(events):
+    """Concatenates a chat stream: (role, content, reasoning, tool_calls, finish, last chunk)."""
+    role, content, reasoning, calls, finish, last = None, "", "", {}, None, None
+    for e in events:
+        if e == "[DONE]" or not e.get("choices"):
+            continue
+        ch = e["choices"][0]
+        d = ch["delta"]
+        role = role or d.get("role")
+        content += d.get("content") or ""
+        reasoning += d.get("reasoning_content") or ""
+        for tc in d.get("tool_calls") or []:
+            c = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            c["id"] = tc.get("id") or c["id"]
+            fn = tc.get("function") or {}
+            c["name"] = fn.get("name") or c["name"]
+            c["arguments"] += fn.get("arguments") or ""
+        if ch["finish_reason"]:
+            finish, last = ch["finish_reason"], e
+    return role, content, reasoning, [calls[k] for k in sorted(calls)], finish, last
+
+
+def message_calls(msg):
+    return [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in msg.get("tool_calls") or []]
+
+
+# ---- streaming ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_stream_equals_non_stream(server, prompt):
+    body = {"messages": msgs(prompt), "max_tokens": 20, "temperature": 0}
+    full, _ = chat(server.url, body)
+    headers, events = stream(server.url, {**body, "stream_options": {"include_usage": True}})
+    assert headers["x-dflash"] == "speculative"
+    assert events[-1] == "[DONE]"
+    first = events[0]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert len({e["id"] for e in events[:-1]}) == 1
+    role, content, reasoning, calls, finish, last = assemble(events)
+    assert role == "assistant" and reasoning == "" and calls == []
+    assert content == (full["choices"][0]["message"]["content"] or "")
+    assert finish == full["choices"][0]["finish_reason"]
+    # the usage chunk comes last, with no choices; every other chunk has "usage": null
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"] == full["usage"]
+    assert all(e["usage"] is None for e in events[:-2])
+    # llama.cpp timings on the final chunk, with the draft counts (speculative)
+    t = last["timings"]
+    assert t["predicted_n"] == full["usage"]["completion_tokens"] and t["prompt_n"] == full["usage"]["prompt_tokens"]
+    assert t["draft_rounds"] > 0 and {"draft_n", "draft_n_accepted"} <= set(t)
+
+
+def test_stream_without_usage(server):
+    _, events = stream(server.url, {"messages": msgs("Hi"), "max_tokens": 4, "temperature": 0})
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_sdk_streaming(server, model_id):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model=model_id, messages=msgs("def fib(n):"), max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (full.choices[0].message.content or "")
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    # completions through the SDK too
+    comp = client.completions.create(model=model_id, prompt="def fib(n):", max_tokens=8, temperature=0)
+    scomp = client.completions.create(model=model_id, prompt="def fib(n):", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in scomp) == comp.choices[0].text
+
+
+def test_stream_stop_string(server):
+    body = {"messages": msgs("Write a poem about the sea."), "max_tokens": 40, "temperature": 0}
+    text = chat(server.url, body)[0]["choices"][0]["message"]["content"]
+    assert len(text) > 8
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    full, _ = chat(server.url, {**body, "stop": [stop]})
+    _, events = stream(server.url, {**body, "stop": [stop]})
+    _, content, _, _, finish, _ = assemble(events)
+    assert content == full["choices"][0]["message"]["content"] == text[:text.find(stop)]
+    assert stop not in content and finish == "stop"
+
+
+def test_seed_reproducible_streamed_and_not(server):
+    body = {"messages": msgs("Tell me a story."), "max_tokens": 16, "temperature": 1.0, "top_p": 1, "top_k": 0,
+            "seed": 4242}
+    a, h = chat(server.url, body)
+    b, _ = chat(server.url, body)
+    _, events = stream(server.url, body)
+    assert h["x-dflash"] == "fallback; reason=sampled"
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert assemble(events)[1] == (a["choices"][0]["message"]["content"] or "")
+
+
+# ---- reasoning ------------------------------------------------------------------------------
+
+def test_reasoning_split_forced(server):
+    forced = "  Let me think about it.\nStep 1.  </think>\n\nThe answer is 4." + IM_END
+    body = {"messages": msgs("2+2?"), "enable_thinking": True, "max_tokens": 64, "temperature": 0,
+            "dflash_forced_output": forced}
+    full, h = chat(server.url, body)
+    assert h["x-dflash"] == "fallback; reason=forced"
+    m = full["choices"][0]["message"]
+    assert m["reasoning_content"] == "Let me think about it.\nStep 1."
+    assert m["content"] == "The answer is 4."
+    assert full["choices"][0]["finish_reason"] == "stop"
+    _, events = stream(server.url, body)
+    _, content, reasoning, calls, finish, _ = assemble(events)
+    assert (reasoning, content, calls, finish) == (m["reasoning_content"], m["content"], [], "stop")
+    # chat_template_kwargs.enable_thinking works the same; thinking off: no reasoning at all
+    m2 = chat(server.url, {**body, "enable_thinking": None, "chat_template_kwargs": {"enable_thinking": True}})[0]
+    assert m2["choices"][0]["message"] == m
+    off = chat(server.url, {**body, "enable_thinking": False,
+                            "dflash_forced_output": "Plain answer." + IM_END})[0]["choices"][0]["message"]
+    assert off["content"] == "Plain answer." and "reasoning_content" not in off
+
+
+def test_reasoning_split_of_a_real_output(server, tmp_path):
+    """Unforced: the chat answer's reasoning/content are the raw greedy text split at </think>
+    (the raw text read through /v1/completions with the rendered prompt)."""
+    req = {"messages": msgs("Explain recursion."), "enable_thinking": True}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(req))
+    prompt = run_cli("render", *model_args(), "--request", str(f), check=True).stdout
+    assert prompt.endswith("<think>\n")
+    for bias in [{}, {str(THINK_END): 100}]:   # unforced, then </think> forced at once
+        raw = post(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                    "logit_bias": bias}).json()["choices"][0]["text"]
+        m = chat(server.url, {**req, "max_tokens": 24, "temperature": 0, "logit_bias": bias})[0]["choices"][0]["message"]
+        ws = " \t\n\r"
+        if "</think>" in raw:
+            reasoning, _, content = raw.partition("</think>")
+        else:
+            reasoning, content = raw, ""
+        assert m.get("reasoning_content", "") == reasoning.strip(ws)
+        assert (m["content"] or "") == content.strip(ws)
+
+
+def test_server_enable_thinking_default(server):
+    on = chat(server.url, {"messages": msgs("Hi"), "max_tokens": 1, "temperature": 0, "enable_thinking": True})[0]
+    off = chat(server.url, {"messages": msgs("Hi"), "max_tokens": 1, "temperature": 0})[0]
+    assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]   # "<think>\n\n</think>\n\n" vs "<think>\n"
+    with Server("--enable-thinking") as s:
+        default = chat(s.url, {"messages": msgs("Hi"), "max_tokens": 1, "temperature": 0})[0]
+        assert default["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"]
+        turned_off = chat(s.url, {"messages": msgs("Hi"), "max_tokens": 1, "temperature": 0,
+                                  "enable_thinking": False})[0]
+        assert turned_off["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
+
+
+# ---- tool calls -----------------------------------------------------------------------------
+
+def test_tool_call_named_choice_with_logit_bias(server):
+    """The real model closes the call the named tool_choice opened (</tool_call> biased +100)."""
+    body = {"messages": msgs("Weather in Paris?"), "tools": TOOLS, "max_tokens": 1, "temperature": 0, "seed": 9,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "logit_bias": {str(TOOL_CALL_END): 100}}
+    full, h = chat(server.url, body)
+    assert h["x-dflash"] == "fallback; reason=logit_bias"
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    calls = message_calls(choice["message"])
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {}
+    assert calls[0]["id"].startswith("call_")
+    _, events = stream(server.url, body)
+    _, content, _, scalls, finish, _ = assemble(events)
+    assert scalls == calls and finish == "tool_calls" and content == ""   # same ids: same seed
+
+
+def test_tool_calls_streamed_arguments_equal(server):
+    forced = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+              "</function>\n</tool_call>" + IM_END)
+    body = {"messages": msgs("Weather and time?"), "tools": TOOLS, "max_tokens": 200, "temperature": 0, "seed": 3,
+            "dflash_forced_output": forced}
+    full, _ = chat(server.url, body)
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I will check."
+    calls = message_calls(choice["message"])
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}   # "days" typed by the schema
+    assert json.loads(calls[1]["arguments"]) == {}
+    assert len({c["id"] for c in calls}) == 2
+    _, events = stream(server.url, body)
+    _, content, _, scalls, finish, _ = assemble(events)
+    assert scalls == calls   # concatenated argument deltas == the non-streamed arguments, byte for byte
+    assert content == "I will check." and finish == "tool_calls"
+    # the SDK assembles the same calls
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"dflash_forced_output": forced}
+    sdk = client.chat.completions.create(model=full["model"], messages=body["messages"], tools=TOOLS, max_tokens=200,
+                                         temperature=0, seed=3, extra_body=extra)
+    assert [(c.function.name, c.function.arguments) for c in sdk.choices[0].message.tool_calls] == \
+        [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_tool_call_json_form_and_none(server):
+    forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' + IM_END
+    body = {"messages": msgs("Weather?"), "tools": TOOLS, "max_tokens": 100, "temperature": 0,
+            "dflash_forced_output": forced}
+    m = chat(server.url, body)[0]["choices"][0]["message"]
+    assert message_calls(m)[0]["name"] == "get_weather"
+    assert json.loads(message_calls(m)[0]["arguments"]) == {"city": "Oslo"}
+    # tool_choice "none": tools are left out of the prompt and calls stay text
+    with_tools = chat(server.url, {**body, "max_tokens": 1})[0]["usage"]["prompt_tokens"]
+    none, _ = chat(server.url, {**body, "tool_choice": "none"})
+    n = none["choices"][0]
+    assert n["finish_reason"] == "stop" and "tool_calls" not in n["message"]
+    assert n["message"]["content"] == forced[:-len(IM_END)]
+    assert none["usage"]["prompt_tokens"] < with_tools
+
+
+def test_tool_choice_required_prefix(server):
+    """required: the answer starts with "<tool_call>\\n" (the model writes the rest)."""
+    forced = "<function=get_time>\n</function>\n</tool_call>" + IM_END
+    body = {"messages": msgs("Time?"), "tools": TOOLS, "tool_choice": "required", "max_tokens": 50,
+            "temperature": 0, "dflash_forced_output": forced}
+    c = chat(server.url, body)[0]["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and message_calls(c["message"])[0]["name"] == "get_time"
+    # with thinking on, the forced call closes the reasoning first
+    c = chat(server.url, {**body, "enable_thinking": True})[0]["choices"][0]
+    assert message_calls(c["message"])[0]["name"] == "get_time" and "reasoning_content" not in c["message"]
+
+
+def test_tool_conversation_renders(server):
+    """A full tool round trip in the history: assistant tool_calls (arguments as a JSON string)
+    and a tool message."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}]
+    full, _ = chat(server.url, {"messages": history, "tools": TOOLS, "max_tokens": 4, "temperature": 0})
+    assert full["usage"]["prompt_tokens"] > 100
+
+
+def test_template_errors_are_400(server):
+    r = post(server.url, "/v1/chat/completions", {"messages": [{"role": "system", "content": "only a system turn"}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "No user query found in messages."   # raise_exception's text, as it is
+    assert err["code"] == "chat_template_error"
+    r = post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                                              {"role": "system", "content": "late system"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "System message must be at the beginning."
+
+
+# ---- routing: x-dflash, speculative == plain -----------------------------------------------
+
+ROUTES = [
+    ({"temperature": 0}, "speculative"),
+    ({"temperature": 0.7}, "fallback; reason=sampled"),
+    ({"temperature": 0, "logprobs": True}, "fallback; reason=logprobs"),
+    ({"temperature": 0, "presence_penalty": 0.5}, "fallback; reason=penalties"),
+    ({"temperature": 0, "frequency_penalty": 0.5}, "fallback; reason=penalties"),
+    ({"temperature": 0, "repetition_penalty": 1.2}, "fallback; reason=penalties"),
+    ({"temperature": 0, "logit_bias": {"10": 5}}, "fallback; reason=logit_bias"),
+    ({"temperature": 0, "dflash_forced_output": "x"}, "fallback; reason=forced"),
+]
+
+
+@pytest.mark.parametrize("fields,expected", ROUTES, ids=[r[1] + str(i) for i, r in enumerate(ROUTES)])
+def test_x_dflash_routes(server, fields, expected):
+    for path, body in [("/v1/chat/completions", {"messages": msgs("Hi")}), ("/v1/completions", {"prompt": "Hi"})]:
+        f = dict(fields)
+        if path == "/v1/completions" and f.get("logprobs") is True:
+            f["logprobs"] = 1
+        r = post(server.url, path, {**body, **f, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-dflash"] == expected
+        assert ("draft_rounds" in r.json()["timings"]) == (expected == "speculative")
+        h, _ = stream(server.url, {**body, **f, "max_tokens": 2}, path=path)
+        assert h["x-dflash"] == expected
+
+
+def test_x_dflash_no_drafter_and_disabled(plain_server):
+    r = post(plain_server.url, "/v1/chat/completions", {"messages": msgs("Hi"), "max_tokens": 2, "temperature": 0})
+    assert r.headers["x-dflash"] == "fallback; reason=no-drafter"
+    with Server("--drafter", DRAFTER, "--no-draft") as s:
+        r = post(s.url, "/v1/chat/completions", {"messages": msgs("Hi"), "max_tokens": 2, "temperature": 0})
+        assert r.headers["x-dflash"] == "fallback; reason=disabled"
+        assert "draft_rounds" not in r.json()["timings"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_equals_plain_through_the_server(server, plain_server, prompt):
+    body = {"messages": msgs(prompt), "max_tokens": 32, "temperature": 0}
+    spec, h = chat(server.url, body)
+    plain, h2 = chat(plain_server.url, body)
+    assert h["x-dflash"] == "speculative" and h2["x-dflash"].startswith("fallback")
+    assert spec["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert spec["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert spec["usage"] == plain["usage"]
+    # and streamed, and through /v1/completions
+    assert assemble(stream(server.url, body)[1])[1] == (plain["choices"][0]["message"]["content"] or "")
+    c1 = post(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
+    c2 = post(plain_server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
+    assert c1["choices"] == c2["choices"]
+
+
+def test_speculative_block_options_equal_plain(plain_server):
+    body = {"messages": msgs("def fib(n):"), "max_tokens": 40, "temperature": 0}
+    plain = chat(plain_server.url, body)[0]["choices"][0]["message"]
+    with Server("--drafter", DRAFTER, "--draft-adaptive", "--draft-block-min", "2", "--draft-block-max", "10",
+                "--draft-window", "16") as s:
+        full, h = chat(s.url, body)
+        assert h["x-dflash"] == "speculative" and full["choices"][0]["message"] == plain
+        assert full["timings"]["draft_rounds"] > 0
+
+
+# ---- logprobs, logit_bias --------------------------------------------------------------------
+
+def test_logprobs_shape(server):
+    full, _ = chat(server.url, {"messages": msgs("Hello"), "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                "top_logprobs": 3})
+    lp = full["choices"][0]["logprobs"]["content"]
+    assert len(lp) == full["usage"]["completion_tokens"]
+    for e in lp:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert isinstance(e["token"], str) and e["logprob"] <= 0 and all(0 <= b < 256 for b in e["bytes"])
+        assert len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"] >= e["top_logprobs"][2]["logprob"]
+        assert e["top_logprobs"][0]["token"] == e["token"]   # greedy: the chosen one is the most likely
+        assert abs(e["top_logprobs"][0]["logprob"] - e["logprob"]) < 1e-6
+    # streamed logprobs concatenate to the same list
+    _, events = stream(server.url, {"messages": msgs("Hello"), "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                    "top_logprobs": 3})
+    slp = [x for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]
+           for x in e["choices"][0]["logprobs"]["content"]]
+    assert slp == lp
+    # the limit is --top-logprobs-k (20)
+    assert post(server.url, "/v1/chat/completions", {"messages": msgs("x"), "logprobs": True,
+                                                     "top_logprobs": 20, "max_tokens": 1}).status_code == 200
+    assert post(server.url, "/v1/chat/completions", {"messages": msgs("x"), "logprobs": True,
+                                                     "top_logprobs": 21}).status_code == 400
+
+
+def test_completions_logprobs_legacy_shape(server):
+    r = post(server.url, "/v1/completions", {"prompt": "import os", "max_tokens": 5, "temperature": 0, "logprobs": 2})
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    n = r.json()["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_logit_bias_forces_and_bans(server):
+    base = {"messages": msgs("Hello"), "max_tokens": 5, "temperature": 0}
+    forced = chat(server.url, {**base, "logit_bias": {"1300": 100}, "logprobs": True})[0]
+    piece = run_cli("tokenize", *model_args(), "--decode", "1300", check=True).stdout[:-1]
+    assert [e["token"] for e in forced["choices"][0]["logprobs"]["content"]] == [piece] * 5
+    assert forced["choices"][0]["message"]["content"] == (piece * 5).strip(" \t\n\r")  # the parser trims
+    first = chat(server.url, {**base, "logprobs": True})[0]["choices"][0]["logprobs"]["content"][0]["token"]
+    ids = json.loads(run_cli("tokenize", *model_args(), "--text", first, check=True).stdout)
+    if len(ids) == 1:
+        banned = chat(server.url, {**base, "logit_bias": {str(ids[0]): -100}, "logprobs": True})[0]
+        assert banned["choices"][0]["logprobs"]["content"][0]["token"] != first
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+def test_completions_shapes(server, model_id):
+    r = post(server.url, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 6, "temperature": 0})
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == model_id
+    text = body["choices"][0]["text"]
+    ids = json.loads(run_cli("tokenize", *model_args(), "--text", "def fib(n):", check=True).stdout)
+    # a list of prompts (strings or ids) gives one choice each, in order
+    many = post(server.url, "/v1/completions", {"prompt": ["def fib(n):", "import os"], "max_tokens": 6,
+                                                "temperature": 0}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1] and many["choices"][0]["text"] == text
+    by_ids = post(server.url, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == text and by_ids["usage"]["prompt_tokens"] == len(ids)
+    nested = post(server.url, "/v1/completions", {"prompt": [ids, ids], "max_tokens": 6, "temperature": 0}).json()
+    assert [c["text"] for c in nested["choices"]] == [text, text]
+    echo = post(server.url, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 6, "temperature": 0,
+                                                "echo": True}).json()
+    assert echo["choices"][0]["text"] == "def fib(n):" + text
+    # streamed: text chunks then a finish chunk per choice
+    _, events = stream(server.url, {"prompt": ["def fib(n):", "import os"], "max_tokens": 6, "temperature": 0},
+                       path="/v1/completions")
+    got = {0: "", 1: ""}
+    for e in events[:-1]:
+        assert e["object"] == "text_completion"
+        got[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert [got[0], got[1]] == [c["text"] for c in many["choices"]]
+
+
+# ---- /metrics ---------------------------------------------------------------------------
+
+def metrics(url):
+    out = {}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def test_metrics(server):
+    r = requests.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    assert "# TYPE dflash_requests_total counter" in r.text
+    before = metrics(server.url)
+    full, _ = chat(server.url, {"messages": msgs("Hello"), "max_tokens": 8, "temperature": 0})
+    assert post(server.url, "/v1/chat/completions", {"messages": "bad"}).status_code == 400
+    after = metrics(server.url)
+    key = 'dflash_requests_total{route="/v1/chat/completions",status="200"}'
+    assert after[key] - before.get(key, 0) == 1
+    k400 = 'dflash_requests_total{route="/v1/chat/completions",status="400"}'
+    assert after[k400] - before.get(k400, 0) == 1
+    assert after["dflash_errors_total"] - before["dflash_errors_total"] == 1
+    assert after["dflash_prompt_tokens_total"] - before["dflash_prompt_tokens_total"] == full["usage"]["prompt_tokens"]
+    assert after["dflash_generated_tokens_total"] - before["dflash_generated_tokens_total"] == \
+        full["usage"]["completion_tokens"]
+    t = full["timings"]
+    assert after["dflash_draft_tokens_total"] - before["dflash_draft_tokens_total"] == t["draft_n"]
+    assert after["dflash_draft_tokens_accepted_total"] - before["dflash_draft_tokens_accepted_total"] == \
+        t["draft_n_accepted"]
+    assert after["dflash_tokens_per_second"] > 0
+    assert after["dflash_queue_depth"] == 0 and after["dflash_model_loaded"] == 1
+
+
+# ---- queue, cancellation, shutdown ------------------------------------------------------
+
+def test_full_queue_answers_503():
+    with Server("--queue", "1") as s:
+        results = []
+
+        def one():
+            r = post(s.url, "/v1/chat/completions", {"messages": msgs("Tell me a story."), "max_tokens": 120,
+                                                      "temperature": 0})
+            results.append((r.status_code, r.headers.get("Retry-After"), r.json()))
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        statuses = sorted(r[0] for r in results)
+        assert len(results) == 6
+        assert statuses.count(200) >= 2 and statuses.count(503) >= 1, statuses
+        assert set(statuses) <= {200, 503}
+        for status, retry, body in results:
+            if status == 503:
+                assert body["error"]["code"] == "queue_full" and int(retry) >= 1
+        ok = [b["choices"][0]["message"]["content"] for st, _, b in results if st == 200]
+        assert len(set(ok)) == 1   # the same greedy request: the same answer every time
+        m = metrics(s.url)
+        assert m['dflash_requests_total{route="/v1/chat/completions",status="503"}'] == statuses.count(503)
+        check_clean_exit(s)
+
+
+def test_disconnect_mid_stream_cancels(server):
+    before = metrics(server.url)
+    r = requests.post(server.url + "/v1/chat/completions", stream=True, timeout=60,
+                      json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "stream": True})
+    it = r.iter_lines()
+    for _ in range(6):
+        next(it)
+    r.close()   # hang up mid-stream
+    t0 = time.time()
+    full, _ = chat(server.url, {"messages": msgs("Hello"), "max_tokens": 2, "temperature": 0})
+    assert time.time() - t0 < (60 if SANITIZED else 15)
+    after = metrics(server.url)
+    assert after["dflash_cancelled_total"] - before["dflash_cancelled_total"] == 1
+    assert after["dflash_generated_tokens_total"] - before["dflash_generated_tokens_total"] < 5000
+
+
+def test_shutdown_during_stream():
+    with Server() as s:
+        r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60,
+                          json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "stream": True})
+        lines = (x.decode() for x in r.iter_lines())
+        assert next(lines).startswith("data: ")
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [x for x in lines if x]
+        # the stream ends cleanly with an error event: the server is shutting down
+        assert rest and "shutting down" in rest[-1]
+        assert s.proc.wait(60) == 0
+        assert "stopped" in s.log_text()
+
+
+def test_load_failure_exits_1(tmp_path):
+    p = run_cli("serve", "--port", "0", "--model", str(tmp_path))
+    assert p.returncode == 1
+    assert "loading failed" in p.stderr or "dflash serve:" in p.stderr
+    assert str(tmp_path) not in p.stderr   # the model folder is named by its public id only
+
+
+def test_curl_streaming(server):
+    import subprocess
+    body = {"messages": msgs("def fib(n):"), "max_tokens": 10, "temperature": 0}
+    full, _ = chat(server.url, body)
+    out = subprocess.run(["curl", "-sN", "-D", "-", "-H", "Content-Type: application/json", "-d",
+                          json.dumps({**body, "stream": True}), server.url + "/v1/chat/completions"],
+                         capture_output=True, timeout=120, check=True).stdout.decode()
+    head, _, sse = out.partition("\r\n\r\n")
+    assert "x-dflash: speculative" in head and "text/event-stream" in head and "chunked" in head.lower()
+    events = [json.loads(l[6:]) if l[6:] != "[DONE]" else "[DONE]" for l in sse.splitlines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert assemble(events)[1] == (full["choices"][0]["message"]["content"] or "")
