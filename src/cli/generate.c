@@ -135,6 +135,10 @@ int cmd_generate(int argc, char **argv) {
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
+    if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
+        return cli_usage_error(&cmd, "--device must be cpu or cuda");
+    for (int i = 0; i < stop.n; i++)
+        if (!stop.items[i][0]) return cli_usage_error(&cmd, "--stop: a stop string cannot be empty");
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
     if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec)) return CLI_EXIT_USAGE;
@@ -196,6 +200,35 @@ int cmd_generate(int argc, char **argv) {
     if (!cli_find(&cmd, "top-k")->given && gd->has_top_k) sp.top_k = gd->top_k;
     if (!cli_find(&cmd, "min-p")->given && gd->has_min_p) sp.min_p = gd->min_p;
     sp.has_seed = cli_find(&cmd, "seed")->given;
+    if (messages && req.root) {
+        /* The request file's sampling fields (validated like the server's) apply where the
+         * command line did not set the same option. */
+        json_t *v;
+        if (!cli_find(&cmd, "temperature")->given && json_is_number(v = json_object_get(req.root, "temperature")))
+            sp.temperature = (float)json_number_value(v);
+        if (!cli_find(&cmd, "top-p")->given && json_is_number(v = json_object_get(req.root, "top_p")))
+            sp.top_p = (float)json_number_value(v);
+        if (!cli_find(&cmd, "top-k")->given && json_is_integer(v = json_object_get(req.root, "top_k")))
+            sp.top_k = (int)json_integer_value(v);
+        if (!cli_find(&cmd, "min-p")->given && json_is_number(v = json_object_get(req.root, "min_p")))
+            sp.min_p = (float)json_number_value(v);
+        if (!sp.has_seed && json_is_integer(v = json_object_get(req.root, "seed"))) {
+            sp.seed = (uint64_t)json_integer_value(v);
+            sp.has_seed = 1;
+        }
+        if (!cli_find(&cmd, "max-tokens")->given &&
+            (json_is_integer(v = json_object_get(req.root, "max_completion_tokens")) ||
+             json_is_integer(v = json_object_get(req.root, "max_tokens"))))
+            max_tokens = (int)json_integer_value(v);
+        if (!cli_find(&cmd, "stop")->given) {
+            v = json_object_get(req.root, "stop");
+            if (json_is_string(v) && json_string_length(v) > 0 && stop.n < DF_MAX_STOP)
+                stop.items[stop.n++] = json_string_value(v);
+            for (size_t i = 0; json_is_array(v) && i < json_array_size(v) && stop.n < DF_MAX_STOP; i++)
+                if (json_is_string(json_array_get(v, i)) && json_string_length(json_array_get(v, i)) > 0)
+                    stop.items[stop.n++] = json_string_value(json_array_get(v, i));
+        }
+    }
 
     /* A session just large enough for the prompt and the tokens asked for. */
     int ctx = 0;

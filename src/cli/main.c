@@ -1,4 +1,5 @@
 /* dflash command-line entry point: dflash serve | generate | render | tokenize | synth | bench. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -39,8 +40,16 @@ int main(int argc, char **argv) {
         usage(stdout);
         return CLI_EXIT_OK;
     }
-    for (int i = 0; i < N_COMMANDS; i++)
-        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 2, argv + 2);
+    for (int i = 0; i < N_COMMANDS; i++) {
+        if (strcmp(argv[1], commands[i].name) != 0) continue;
+        int rc = commands[i].run(argc - 2, argv + 2);
+        /* output that could not be written (a full disk, a closed pipe) is a failure */
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "dflash %s: cannot write the output: %s\n", argv[1], strerror(errno));
+            if (rc == CLI_EXIT_OK) rc = 1;
+        }
+        return rc;
+    }
     fprintf(stderr, "dflash: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return CLI_EXIT_USAGE;

@@ -111,6 +111,8 @@ int cmd_serve(int argc, char **argv) {
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
+    if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
+        return cli_usage_error(&cmd, "--device must be cpu or cuda");
     if (cli_check_draft_options(&cmd, drafter, no_draft, &spec)) return CLI_EXIT_USAGE;
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;

@@ -56,6 +56,13 @@ int cmd_tokenize(int argc, char **argv) {
     } else {
         char *out = NULL;
         size_t len = 0;
+        const int32_t vocab = df_tokenizer_vocab_size(tok);
+        for (size_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= vocab) {
+                cli_error("tokenize", "--decode: token id %d outside the tokenizer's [0, %d)", (int)ids[i], (int)vocab);
+                rc = CLI_EXIT_USAGE;
+                goto done;
+            }
         if (df_tokenizer_decode(tok, ids, n, skip_special, &out, &len, &err) != DF_OK) {
             cli_error("tokenize", "%s", err.msg);
             goto done;

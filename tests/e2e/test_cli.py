@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -296,3 +297,32 @@ def test_generate_dflash2_drafter_equals_plain():
     plain = generate_json("--chat", "class Stack:", "--max-tokens", "32")
     spec = generate_json("--chat", "class Stack:", "--max-tokens", "32", "--drafter", drafter2)
     assert spec["ids"] == plain["ids"] and spec["draft_rounds"] > 0
+
+
+def test_decode_out_of_range_id_is_an_error():
+    p = run_cli("tokenize", *model_args(), "--decode", "1,99999")
+    assert p.returncode == 2 and "99999" in p.stderr
+
+
+@pytest.mark.parametrize("args", [["--device", "tpu"], ["--stop", ""]])
+def test_malformed_generate_values_exit_2(args):
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--max-tokens", "2", *args)
+    assert p.returncode == 2
+
+
+def test_unwritable_output_fails():
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([DFLASH_BIN, "generate", *model_args(), "--chat", "hi", "--max-tokens", "3"],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 1 and "cannot write" in p.stderr
+
+
+def test_messages_file_sampling_fields_apply(tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                               "temperature": 0}))
+    p = run_cli("generate", *model_args(), "--messages", str(req), "--json", check=True)
+    out = json.loads(p.stdout)
+    assert len(out["ids"]) <= 3
+    p2 = run_cli("generate", *model_args(), "--messages", str(req), "--max-tokens", "5", "--json", check=True)
+    assert len(json.loads(p2.stdout)["ids"]) <= 5
