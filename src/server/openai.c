@@ -220,6 +220,14 @@ static int check_tool_calls(const json_t *calls, size_t i, df_api_error *e) {
         json_t *args = field(fn, "arguments");
         if (args && !json_is_string(args) && !json_is_object(args))
             return type_error(e, param, "a string or an object", args);
+        if (json_is_string(args)) { /* the template needs the arguments as a JSON object */
+            json_t *parsed = json_loadb(json_string_value(args), json_string_length(args), 0, NULL);
+            int ok = json_is_object(parsed);
+            json_decref(parsed);
+            if (!ok)
+                return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                        "Invalid value for '%s': expected a JSON object encoded as a string.", param);
+        }
     }
     return 0;
 }

@@ -177,6 +177,9 @@ MALFORMED = [
     ("tool call arguments a number", {"messages": [MSG[0], {"role": "assistant", "tool_calls": [
         {"function": {"name": "f", "arguments": 3}}]}]}, 400, "invalid_type",
      "messages[1].tool_calls[0].function.arguments"),
+    ("tool call arguments not a JSON object", {"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}]}, 400, "invalid_value",
+     "messages[1].tool_calls[0].function.arguments"),
     ("reasoning_content a number", {"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}, MSG[0]]},
      400, "invalid_type", "messages[0].reasoning_content"),
     # template
