@@ -641,6 +641,10 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
         return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
                                 "The request body is empty; expected a JSON object.");
     req->root = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
+    if (!req->root && strstr(jerr.text, "JSON_ALLOW_NUL"))
+        return df_api_error_set(e, 400, INVALID, "invalid_value", NULL,
+                                "Strings containing the NUL character (\\u0000) are not supported (line %d, column %d).",
+                                jerr.line, jerr.column);
     if (!req->root)
         return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
                                 "The request body is not valid JSON: %s (line %d, column %d).", jerr.text, jerr.line,

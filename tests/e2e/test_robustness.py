@@ -114,7 +114,7 @@ MALFORMED = [
     ("max_tokens above int", {"messages": MSG, "max_tokens": 2 ** 40}, 400, "invalid_value", "max_tokens"),
     ("seed above int64", {"messages": MSG, "seed": 2 ** 70}, 400, "invalid_json", None),
     ("seed fractional", {"messages": MSG, "seed": 1.5}, 400, "invalid_type", "seed"),
-    ("NUL in a string", {"messages": [{"role": "user", "content": "a\u0000b"}]}, 400, "invalid_json", None),
+    ("NUL in a string", {"messages": [{"role": "user", "content": "a\u0000b"}]}, 400, "invalid_value", None),
     ("presence_penalty too big", {"messages": MSG, "presence_penalty": 3}, 400, "invalid_value", "presence_penalty"),
     ("frequency_penalty a string", {"messages": MSG, "frequency_penalty": "x"}, 400, "invalid_type",
      "frequency_penalty"),
