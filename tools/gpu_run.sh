@@ -64,6 +64,17 @@ for s in $STEPS; do
     done
     echo "-- plain decode without graphs" | tee -a "$OUT/summary.txt"
     DFLASH_CUDA_GRAPHS=0 timeout 200 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor|steps" | tee -a "$OUT/summary.txt" ;;
+  occ)
+    for v in DFLASH_CUDA_OCC=2 DFLASH_CUDA_OCC=3; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env $v timeout 100 "$BIN/bench_cuda_ops" --iters 30 2>&1 | grep -E "M = 1|gdn in_proj_qkv|mlp gate|mlp down|k_proj|attn o_proj" | tee -a "$OUT/summary.txt"
+      env $v timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor" | tee -a "$OUT/summary.txt"
+    done ;;
+  ncu)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 200 "$NCU" --clock-control none --launch-skip 3000 --launch-count 500 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+      --print-summary per-kernel "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 16 --gen 4 --no-verify-curve > "$OUT/ncu.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncu.log" | head -80 | tee -a "$OUT/summary.txt" ;;
   mem)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \

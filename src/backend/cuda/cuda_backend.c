@@ -1195,6 +1195,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) dfk_set_sm_count(prop.multiProcessorCount);
     const char *dec = getenv("DFLASH_CUDA_DEC");
     dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
+    const char *occ = getenv("DFLASH_CUDA_OCC"); /* experiments: 3 = a tighter register budget (spills) */
+    dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;

@@ -62,6 +62,11 @@ static cudaStream_t g_stream = 0;
  * default: on the H200 it measured slower than k_lin_mma (docs/PERFORMANCE.md). */
 static int g_use_dec = 0;
 extern "C" void dfk_set_use_dec(int v) { g_use_dec = v; }
+/* Resident CTAs per SM asked of the compiler for the one- and two-token instances of k_lin_mma
+ * (__launch_bounds__ minimum blocks: 2 or 3; DFLASH_CUDA_OCC). Register allocation only: the
+ * arithmetic and its order are the same in every instance, so the bits are too. */
+static int g_occ = 2;
+extern "C" void dfk_set_occupancy(int v) { g_occ = v == 3 ? 3 : 2; }
 
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
 
@@ -72,7 +77,7 @@ extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; 
 static __device__ void smem_hadamard(float *sm, int n, int hb, float hscale) {
     for (int h = 1; h < hb; h <<= 1) {
         for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
-            int i = (p / h) * (2 * h) + (p % h);
+            int i = ((p & ~(h - 1)) << 1) | (p & (h - 1)); /* (p / h) * 2h + p % h, h a power of two */
             float a = sm[i], b = sm[i + h];
             sm[i] = a + b;
             sm[i + h] = a - b;
@@ -104,10 +109,20 @@ __global__ void k_prep(const float *__restrict__ x, int cols, const float *__res
     extern __shared__ float sm[];
     const int m = blockIdx.x, s0 = blockIdx.y * seg;
     const float *xr = x + (size_t)m * (size_t)cols + s0;
-    for (int i = threadIdx.x; i < seg; i += blockDim.x) {
-        float v = xr[i];
-        if (hb > 0) v = v * signs[s0 + i];
-        sm[i] = v;
+    /* 4 elements per thread per round, their loads issued together */
+    for (int i0 = 0; i0 < seg; i0 += 4 * (int)blockDim.x) {
+        float v[4], sg[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = i0 + j * (int)blockDim.x + (int)threadIdx.x;
+            v[j] = i < seg ? __ldg(&xr[i]) : 0.0f;
+            sg[j] = (hb > 0 && i < seg) ? __ldg(&signs[s0 + i]) : 1.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = i0 + j * (int)blockDim.x + (int)threadIdx.x;
+            if (i < seg) sm[i] = hb > 0 ? v[j] * sg[j] : v[j];
+        }
     }
     __syncthreads();
     if (hb > 0) smem_hadamard(sm, seg, hb, hscale);
@@ -329,8 +344,8 @@ static __device__ __forceinline__ void load_words(const uint32_t *p, uint32_t *w
 /* One CTA = 8 warps = RW row-warps x KW K-slices; warp (rw, kw) handles TR tiles and the groups
  * g = kw, kw + KW, ... in order; the KW partial sums are added in order kw = 0..KW-1. KW is a
  * function of the weight's shape (cuda_backend.c), TR and the grid only distribute work. */
-template <int MODE, int GS, int NT, int TR>
-__global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__ codes, const uint32_t *__restrict__ sb,
+template <int MODE, int GS, int NT, int TR, int MINB>
+__global__ void __launch_bounds__(256, MINB) k_lin_mma(const uint32_t *__restrict__ codes, const uint32_t *__restrict__ sb,
                                                  int sb_bf16, int rows, int tiles, int ng, int kbt,
                                                  const uint2 *__restrict__ xb, const float *__restrict__ xs, int M,
                                                  int KW, float *__restrict__ y) {
@@ -381,10 +396,52 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
                 }
             }
         }
+        /* one-token-pair instances (NT == 1, all k-blocks of a group at once): the B fragments of
+         * the next group and the group sums of the whole batch are loaded ahead, so that the
+         * L2 round trips overlap the code loads and the MMAs instead of forming a chain per
+         * group. Same operands, same MMA sequence, same epilogue: same bits. */
+        constexpr bool PF = NT == 1 && KC == KBG;
+        uint32_t bq[2][PF ? KBG : 1][2];
+        float xsv[GP];
+        (void)bq;
+        (void)xsv;
+        if constexpr (PF) {
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                xsv[gi] = (MODE != DFK_MMA_BF16 && grp < ng && t < 2 && t < M)
+                              ? __ldg(&xs[(size_t)t * (size_t)ng + (size_t)grp])
+                              : 0.0f;
+            }
+#pragma unroll
+            for (int kc = 0; kc < KBG; kc++) {
+                if (g < 6 && g / 3 < M) {
+                    uint2 v = __ldg(&xb[((size_t)gbase * KBG + (size_t)kc) * 32 + (size_t)lane]);
+                    bq[0][kc][0] = v.x;
+                    bq[0][kc][1] = v.y;
+                } else {
+                    bq[0][kc][0] = bq[0][kc][1] = 0;
+                }
+            }
+        }
 #pragma unroll
         for (int gi = 0; gi < GP; gi++) {
             const int grp = gbase + gi * KW;
             if (grp >= ng) break;
+            if constexpr (PF) {
+                if (gi + 1 < GP && grp + KW < ng) {
+#pragma unroll
+                    for (int kc = 0; kc < KBG; kc++) {
+                        if (g < 6 && g / 3 < M) {
+                            uint2 v = __ldg(&xb[((size_t)(grp + KW) * KBG + (size_t)kc) * 32 + (size_t)lane]);
+                            bq[(gi + 1) & 1][kc][0] = v.x;
+                            bq[(gi + 1) & 1][kc][1] = v.y;
+                        } else {
+                            bq[(gi + 1) & 1][kc][0] = bq[(gi + 1) & 1][kc][1] = 0;
+                        }
+                    }
+                }
+            }
             float D[TR][NT][4];
 #pragma unroll
             for (int tr = 0; tr < TR; tr++)
@@ -398,7 +455,10 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
                         const int tok = 2 * nt + g / 3;
-                        if (g < 6 && tok < M) {
+                        if constexpr (PF) {
+                            bf[kc][nt][0] = bq[gi & 1][kb0 + kc][0];
+                            bf[kc][nt][1] = bq[gi & 1][kb0 + kc][1];
+                        } else if (g < 6 && tok < M) {
                             uint2 v = __ldg(&xb[((size_t)nt * (size_t)kbt + (size_t)(grp * KBG + kb0 + kc)) * 32 +
                                                 (size_t)lane]);
                             bf[kc][nt][0] = v.x;
@@ -441,7 +501,8 @@ __global__ void __launch_bounds__(256, 2) k_lin_mma(const uint32_t *__restrict__
                     } else {
                         const int tok = 2 * nt + t;
                         float xsum = 0.0f;
-                        if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
+                        if constexpr (PF) xsum = xsv[gi];
+                        else if (t < 2 && tok < M) xsum = __ldg(&xs[(size_t)tok * (size_t)ng + (size_t)grp]);
                         float s0 = h16_to_f32(sbv[gi][tr][0], sb_bf16), b0 = h16_to_f32(sbv[gi][tr][0] >> 16, sb_bf16);
                         float s1 = h16_to_f32(sbv[gi][tr][1], sb_bf16), b1 = h16_to_f32(sbv[gi][tr][1] >> 16, sb_bf16);
                         float bb0 = b0 - off * s0, bb1 = b1 - off * s1;
@@ -648,8 +709,15 @@ static int launch_lin(const uint32_t *codes, const uint32_t *sb, int sb_bf16, in
     const int tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
     const int per_block = RW * TR;
     const unsigned blocks = (unsigned)((tiles + per_block - 1) / per_block);
-    k_lin_mma<MODE, GS, NT, TR><<<blocks, 256, 0, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
-                                                              reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
+    if constexpr (NT <= 2 && TR <= 2) {
+        if (g_occ == 3) {
+            k_lin_mma<MODE, GS, NT, TR, 3><<<blocks, 256, 0, g_stream>>>(
+                codes, sb, sb_bf16, rows, tiles, ng, cols / 16, reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
+            return launch_status();
+        }
+    }
+    k_lin_mma<MODE, GS, NT, TR, 2><<<blocks, 256, 0, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
+                                                                     reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
     return launch_status();
 }
 
@@ -738,6 +806,25 @@ static __device__ __forceinline__ float dense_at(const void *w, int wdtype, size
 
 /* One block (256 threads) per output row: thread i takes columns i, i + 256, ... in order (four
  * loads in flight), then a fixed tree over the block per token row. */
+/* Weight (row, c) of dfk_linear_simple: s * q + b (quantized, MLX layout) or the dense value. */
+static __device__ __forceinline__ float lin_simple_w(const void *w, int wdtype, const uint16_t *scales,
+                                                     const uint16_t *biases, int sb_bf16, int bits, int gs, int row,
+                                                     int cols, size_t wpr, int ng, const uint32_t *qrow, int c) {
+    (void)wpr;
+    if (bits > 0) {
+        size_t bit = (size_t)c * (size_t)bits;
+        size_t wi = bit / 32;
+        unsigned sh = (unsigned)(bit % 32);
+        uint32_t v = qrow[wi] >> sh;
+        if (sh + (unsigned)bits > 32) v |= qrow[wi + 1] << (32 - sh);
+        v &= (1u << bits) - 1u;
+        size_t k = (size_t)row * (size_t)ng + (size_t)(c / gs);
+        float s = h16_to_f32(scales[k], sb_bf16), b = h16_to_f32(biases[k], sb_bf16);
+        return s * (float)v + b;
+    }
+    return dense_at(w, wdtype, (size_t)row * (size_t)cols + (size_t)c);
+}
+
 __global__ void __launch_bounds__(256) k_lin_simple(const void *__restrict__ w, int wdtype,
                                                     const uint16_t *__restrict__ scales,
                                                     const uint16_t *__restrict__ biases, int sb_bf16, int bits,
@@ -751,25 +838,30 @@ __global__ void __launch_bounds__(256) k_lin_simple(const void *__restrict__ w, 
     const size_t wpr = bits > 0 ? (size_t)cols * (size_t)bits / 32 : 0;
     const int ng = bits > 0 ? cols / gs : 0;
     const uint32_t *qrow = bits > 0 ? (const uint32_t *)w + (size_t)row * wpr : NULL;
-#pragma unroll 4
-    for (int c = tid; c < cols; c += 256) {
-        float wv;
-        if (bits > 0) {
-            size_t bit = (size_t)c * (size_t)bits;
-            size_t wi = bit / 32;
-            unsigned sh = (unsigned)(bit % 32);
-            uint32_t v = qrow[wi] >> sh;
-            if (sh + (unsigned)bits > 32) v |= qrow[wi + 1] << (32 - sh);
-            v &= (1u << bits) - 1u;
-            size_t k = (size_t)row * (size_t)ng + (size_t)(c / gs);
-            float s = h16_to_f32(scales[k], sb_bf16), b = h16_to_f32(biases[k], sb_bf16);
-            wv = s * (float)v + b;
-        } else {
-            wv = dense_at(w, wdtype, (size_t)row * (size_t)cols + (size_t)c);
+    /* columns c = tid, tid + 256, ... in order; the weights of 8 of them are loaded (and the
+     * matching x' values) before their products are added, so the loads overlap */
+    for (int c0 = 0; c0 < cols; c0 += 8 * 256) {
+        float wq[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int c = c0 + j * 256 + tid;
+            wq[j] = c < cols ? lin_simple_w(w, wdtype, scales, biases, sb_bf16, bits, gs, row, cols, wpr, ng, qrow, c)
+                             : 0.0f;
         }
 #pragma unroll
-        for (int m = 0; m < DFK_MAX_ROWS; m++)
-            if (m < M) acc[m] = acc[m] + wv * xf[(size_t)m * (size_t)cols + (size_t)c];
+        for (int m = 0; m < DFK_MAX_ROWS; m++) {
+            if (m < M) {
+                float xv[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int c = c0 + j * 256 + tid;
+                    xv[j] = c < cols ? xf[(size_t)m * (size_t)cols + (size_t)c] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    if (c0 + j * 256 + tid < cols) acc[m] = acc[m] + wq[j] * xv[j];
+            }
+        }
     }
 #pragma unroll
     for (int m = 0; m < DFK_MAX_ROWS; m++)
@@ -841,17 +933,43 @@ extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const ui
 
 /* ---- norms and elementwise ------------------------------------------------------------------- */
 
-__global__ void k_rmsnorm(const float *x, const float *w, int width, float eps, float *y) {
+/* One block of 256 threads per row. Thread tid sums x[i]^2 for i = tid, tid + 256, ... in that
+ * order (the loads of 8 such elements are issued together before the adds), then the fixed
+ * block tree; so the bits depend on the width alone. */
+__global__ void __launch_bounds__(256) k_rmsnorm(const float *x, const float *w, int width, float eps, float *y) {
     __shared__ float red[256];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
     float *yr = y + (size_t)blockIdx.x * (size_t)width;
+    const int tid = threadIdx.x;
     float acc = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) acc = acc + xr[i] * xr[i];
+    for (int i0 = 0; i0 < width; i0 += 8 * 256) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int i = i0 + j * 256 + tid;
+            v[j] = i < width ? __ldg(&xr[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (i0 + j * 256 + tid < width) acc = acc + v[j] * v[j];
+    }
     float ms = block_sum(acc, red) / (float)width;
     float inv = 1.0f / sqrtf(ms + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) yr[i] = w ? (xr[i] * inv) * w[i] : xr[i] * inv;
+    for (int i0 = 0; i0 < width; i0 += 8 * 256) {
+        float v[8], wv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int i = i0 + j * 256 + tid;
+            v[j] = i < width ? xr[i] : 0.0f;
+            wv[j] = (w && i < width) ? __ldg(&w[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int i = i0 + j * 256 + tid;
+            if (i < width) yr[i] = w ? (v[j] * inv) * wv[j] : v[j] * inv;
+        }
+    }
 }
-
 extern "C" int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, float *y) {
     k_rmsnorm<<<(unsigned)rows, 256, 0, g_stream>>>(x, w, width, eps, y);
     return launch_status();

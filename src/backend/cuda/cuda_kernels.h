@@ -30,6 +30,8 @@ void dfk_set_sm_count(int n);
 /* 1: dfk_linear_mma uses its shared-memory decode kernel for M <= 2 (an experiment: slower on
  * the H200 so far; same bits). */
 void dfk_set_use_dec(int v);
+/* Resident CTAs per SM the one/two-token linear instances are compiled for (2 or 3; default 2). */
+void dfk_set_occupancy(int v);
 
 /* ---- weights: device-side repacking (run once at upload) ------------------------------- */
 
