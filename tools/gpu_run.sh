@@ -70,6 +70,11 @@ for s in $STEPS; do
       env $v timeout 100 "$BIN/bench_cuda_ops" --iters 30 2>&1 | grep -E "M = 1|gdn in_proj_qkv|mlp gate|mlp down|k_proj|attn o_proj" | tee -a "$OUT/summary.txt"
       env $v timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor" | tee -a "$OUT/summary.txt"
     done ;;
+  tune)
+    for v in DFLASH_CUDA_TARGET_CTAS=264 DFLASH_CUDA_TARGET_CTAS=528 DFLASH_CUDA_OCC=3; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env $v timeout 100 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+    done ;;
   ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 200 "$NCU" --clock-control none --launch-skip 3000 --launch-count 500 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
