@@ -530,7 +530,7 @@ def test_full_queue_answers_503():
 def test_disconnect_mid_stream_cancels(server):
     before = metrics(server.url)
     r = requests.post(server.url + "/v1/chat/completions", stream=True, timeout=60,
-                      json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "stream": True})
+                      json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}, "stream": True})
     it = r.iter_lines()
     for _ in range(6):
         next(it)
@@ -546,7 +546,7 @@ def test_disconnect_mid_stream_cancels(server):
 def test_shutdown_during_stream():
     with Server() as s:
         r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60,
-                          json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "stream": True})
+                          json={"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}, "stream": True})
         lines = (x.decode() for x in r.iter_lines())
         assert next(lines).startswith("data: ")
         s.proc.send_signal(signal.SIGTERM)

@@ -338,7 +338,7 @@ def test_chunked_request_body(srv):
 
 
 def test_disconnects_mid_stream_and_while_queued(srv):
-    body = json.dumps({"messages": MSG, "max_tokens": 100000, "temperature": 0, "stream": True}).encode()
+    body = json.dumps({"messages": MSG, "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}, "stream": True}).encode()
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     socks = []
     for _ in range(3):   # one streams, two wait in the queue; all three hang up

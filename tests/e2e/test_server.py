@@ -271,7 +271,7 @@ def test_wrong_method(server):
 
 def test_client_disconnect_during_generation(server, chat):
     """A client that gives up mid-generation does not block the next request for long."""
-    body = json.dumps({"messages": MSG, "max_tokens": 100000, "temperature": 0}).encode()
+    body = json.dumps({"messages": MSG, "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -399,7 +399,7 @@ def test_shutdown_during_generation():
         def long_request():
             try:
                 r = requests.post(s.url + "/v1/chat/completions", timeout=120,
-                                  json={"messages": MSG, "max_tokens": 100000, "temperature": 0})
+                                  json={"messages": MSG, "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}})
                 result["status"] = r.status_code
             except requests.RequestException as e:
                 result["error"] = e
