@@ -280,6 +280,42 @@ static void test_gdn_rows(void **state) {
     free(S0);
 }
 
+/* The elementwise ops of the verify path (embedding lookup with dequantization and inverse
+ * rotation, residual add, SwiGLU): M rows at once == M single rows, bit for bit. */
+static void test_elementwise_rows(void **state) {
+    (void)state;
+    df_backend *be = backend(2);
+    qlin E;
+    make_linear(&E, 64, 256, 2, 128, 256, 0);
+    int32_t ids[DF_MAX_ROWS];
+    for (int m = 0; m < DF_MAX_ROWS; m++) ids[m] = (int32_t)((m * 37) % 64);
+    float *e = malloc(DF_MAX_ROWS * 256 * 4), e1[256];
+    const int W = 96;
+    float a[DF_MAX_ROWS * W], b[DF_MAX_ROWS * W], y[DF_MAX_ROWS * W], y1[W], acc[DF_MAX_ROWS * W], acc1[W];
+    for (int i = 0; i < DF_MAX_ROWS * W; i++) {
+        a[i] = 4.0f * frand();
+        b[i] = frand();
+    }
+    for (int M = 1; M <= DF_MAX_ROWS; M++) {
+        be->ops->embed(be, &E.L, ids, M, e);
+        be->ops->swiglu(be, a, b, (size_t)M * W, y);
+        memcpy(acc, b, sizeof acc);
+        be->ops->add(be, acc, a, (size_t)M * W);
+        for (int m = 0; m < M; m++) {
+            be->ops->embed(be, &E.L, ids + m, 1, e1);
+            assert_memory_equal(e1, e + m * 256, 256 * 4);
+            be->ops->swiglu(be, a + m * W, b + m * W, W, y1);
+            assert_memory_equal(y1, y + m * W, W * 4);
+            memcpy(acc1, b + m * W, sizeof acc1);
+            be->ops->add(be, acc1, a + m * W, W);
+            assert_memory_equal(acc1, acc + m * W, W * 4);
+        }
+    }
+    free(e);
+    free_linear(&E);
+    be->ops->destroy(be);
+}
+
 /* The Hadamard transform is orthogonal: applying it twice gives the input back. */
 static void test_hadamard_involution(void **state) {
     (void)state;
@@ -301,6 +337,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm_rows),
         cmocka_unit_test(test_attention_rows),
         cmocka_unit_test(test_gdn_rows),
+        cmocka_unit_test(test_elementwise_rows),
         cmocka_unit_test(test_hadamard_involution),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
