@@ -55,6 +55,16 @@ typedef struct df_drafter df_drafter;
  * (another drafter architecture). */
 df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_error *err);
 void df_drafter_free(df_drafter *d);
+
+/* Quantizes the drafter's dense linears (fc and every layer's q, k, v, o, gate, up, down) at
+ * load to MLX affine `bits`-bit codes (4 or 8) in groups of 64 columns with fp16 scale and
+ * bias (min/max per group, rounded to nearest): about 2x (8-bit) or 4x (4-bit) fewer weight
+ * bytes per draft pass. It changes the proposals, never the output: every drafted token is
+ * verified by the target. Call before df_draft_state_init. Errors: DF_ERR_INVALID_ARG (bits,
+ * or already quantized), DF_ERR_NOMEM. */
+df_status df_drafter_quantize(df_drafter *d, int bits, df_error *err);
+/* 0, or the bits of df_drafter_quantize. */
+int df_drafter_quant_bits(const df_drafter *d);
 const df_drafter_config *df_drafter_get_config(const df_drafter *d);
 
 /* Per-sequence drafter state: the context K/V window. */

@@ -80,6 +80,7 @@ typedef struct df_server_options {
     const char *drafter_dir;  /* DFlash drafter folder, or NULL for none */
     df_spec_params spec;      /* block size (0 = the drafter's), adaptive range */
     int draft_window;         /* drafter context positions kept (>= 1) */
+    int draft_quant;          /* 0, or 4 / 8: the drafter's weights quantized at load */
     int no_draft;             /* load the drafter but decode every request plain */
     /* transport limits */
     size_t max_body;          /* request body limit in bytes (413 above); 0 = 8 MiB */

@@ -104,6 +104,18 @@ typedef struct df_backend_ops {
      * the lowest index wins ties, as df_argmax. Lets greedy decoding read rows ids instead of
      * rows x width logits from a device. */
     void (*argmax)(df_backend *be, const float *x, int rows, int width, int32_t *out);
+
+    /* Optional fused ops (NULL: the model composes them from the ops above; a backend that sets
+     * them computes exactly what the composition would on that backend, same bits).
+     *
+     * linears: n (1..4) linears of one input with an optional RMSNorm first:
+     *   h = norm_w ? rmsnorm(x, norm_w, eps) : x  ([M, width]);  ys[i][M, Ws[i]->rows] = Ws[i] · h.
+     * h_out, when not NULL and norm_w is given, receives h (backend memory [M, width]). */
+    void (*linears)(df_backend *be, const float *x, const float *norm_w, float eps, int M, int width, int n,
+                    const df_linear *const *Ws, float *const *ys, float *h_out);
+    /* linear_add: y[M, W->rows] += W · a with a = up ? silu(x) ⊙ up : x ([M, W->cols]): the
+     * residual add (and the SwiGLU of an MLP) fused with the linear. */
+    void (*linear_add)(df_backend *be, const df_linear *W, const float *x, const float *up, int M, float *y);
 } df_backend_ops;
 
 struct df_backend {

@@ -78,21 +78,23 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
                           struct df_api_request *req);
 
 /* The speculative decoding options shared by generate and serve (cli_opt table entries):
- * drafter (const char *), spec (df_spec_params), window (int), no_draft (int). */
-#define CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft)                                                          \
+ * drafter (const char *), spec (df_spec_params), window (int), no_draft (int), quant (int). */
+#define CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft, quant)                                                   \
     {"drafter", "DIR", CLI_STR, &(drafter), "none", "DFlash drafter folder: greedy requests are decoded speculatively", 0, 0, 0}, \
     {"draft-block", "N", CLI_INT, &(spec).block, "the drafter's block size", "tokens per draft block (the first one when adaptive)", 2, 16, 0}, \
     {"draft-adaptive", NULL, CLI_FLAG, &(spec).adaptive, "off", "adapt the block size to the acceptance", 0, 0, 0}, \
     {"draft-block-min", "N", CLI_INT, &(spec).block_min, "2", "with --draft-adaptive: smallest block", 2, 16, 0}, \
     {"draft-block-max", "N", CLI_INT, &(spec).block_max, "16", "with --draft-adaptive: largest block", 2, 16, 0}, \
     {"draft-window", "N", CLI_INT, &(window), "2048", "drafter context positions kept", 1, 1 << 20, 0}, \
+    {"draft-quant", "BITS", CLI_INT, &(quant), "off", "quantize the drafter's weights at load to 8 or 4 bits (faster drafts; the output never changes)", 4, 8, 0}, \
     {"no-draft", NULL, CLI_FLAG, &(no_draft), "off", "load the drafter but decode plainly (x-dflash: fallback; reason=disabled)", 0, 0, 0}
 
 /* Checks the combination of the CLI_DRAFT_OPTIONS given: draft options need --drafter, the
- * block range needs --draft-adaptive and must be ordered. Returns 0, or CLI_EXIT_USAGE after
+ * block range needs --draft-adaptive and must be ordered, --draft-quant is 4 or 8. Returns 0, or CLI_EXIT_USAGE after
  * printing the error. */
 struct df_spec_params;
-int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec);
+int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec,
+                            int quant);
 
 /* The commands (argv without "dflash CMD"). */
 int cmd_generate(int argc, char **argv);

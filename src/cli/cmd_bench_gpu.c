@@ -4,7 +4,10 @@
  *   dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]
  *                [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]
  *                [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]
+ *                [--draft-quant-pass BITS[,BITS]]
  *
+ * --draft-quant-pass 8,4 also times the drafter pass with its weights quantized at load to
+ * those bits (df_drafter_quantize).
  * Speed at synthetic acceptance: the drafter runs for real every round, then its proposals are
  * replaced (df_spec_params.override) by the target's own greedy output with one position
  * corrupted, so that a round accepts a = floor(TAU-1) or ceil(TAU-1) drafts (mean TAU-1, i.e.
@@ -41,6 +44,7 @@ typedef struct bench_opts {
     double taus[MAX_LIST];
     int n_taus;
     int mem_ctx[MAX_LIST], n_mem;
+    int quant[MAX_LIST], n_quant; /* --draft-quant-pass: bits of extra drafter pass timings */
 } bench_opts;
 
 static int parse_list(const char *s, int *out, int max) {
@@ -237,8 +241,51 @@ static int usage(void) {
     fprintf(stderr,
             "usage: dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]\n"
             "                    [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]\n"
-            "                    [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]\n");
+            "                    [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]\n"
+            "                    [--draft-quant-pass BITS[,BITS]]\n");
     return 2;
+}
+
+/* Drafter pass time at B = 8 and 16 over nctx context rows of random features (printed). */
+static int draft_pass_times(df_engine *e, df_draft_state *ds, int32_t tok, int nctx, int repeats, const char *label,
+                            df_error *err) {
+    const df_drafter_config *dc = df_drafter_get_config(df_draft_state_drafter(ds));
+    const int F = dc->n_taps * dc->hidden_size;
+    float *feats = malloc((size_t)16 * (size_t)F * sizeof(float));
+    double *smp = malloc((size_t)repeats * sizeof(double));
+    if (!feats || !smp) {
+        free(feats);
+        free(smp);
+        df_error_set(err, DF_ERR_NOMEM, "bench: out of memory");
+        return 0;
+    }
+    uint64_t r = 99;
+    for (size_t i = 0; i < (size_t)16 * (size_t)F; i++) {
+        r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+        feats[i] = (float)((double)(r >> 40) / (double)(1ULL << 24)) - 0.5f;
+    }
+    int ok = 1;
+    for (int i = 0; ok && i < nctx; i += 16) {
+        int n = nctx - i < 16 ? nctx - i : 16;
+        ok = df_draft_add_context(ds, feats, n, i, err) == DF_OK;
+    }
+    const int bs[] = {8, 16};
+    for (int k = 0; ok && k < 2; k++) {
+        int32_t drafts[16];
+        for (int rr = -1; ok && rr < repeats; rr++) {
+            sync_dev(e);
+            double a = df_now_ms();
+            ok = df_draft_block(ds, tok, nctx, bs[k], drafts, NULL, NULL, err) == DF_OK;
+            sync_dev(e);
+            if (rr >= 0) smp[rr] = df_now_ms() - a;
+        }
+        if (ok)
+            printf("drafter pass%s B=%d over %d context rows: %.3f ms (median of %d)\n", label, bs[k], nctx,
+                   median(smp, repeats), repeats);
+    }
+    free(feats);
+    free(smp);
+    return ok;
 }
 
 int df_cmd_bench(int argc, char **argv) {
@@ -260,6 +307,7 @@ int df_cmd_bench(int argc, char **argv) {
         else if (!strcmp(a, "--memory-ctx") && v) o.n_mem = parse_list(argv[++i], o.mem_ctx, MAX_LIST);
         else if (!strcmp(a, "--synthetic-acceptance") && v && o.n_taus < MAX_LIST) o.taus[o.n_taus++] = atof(argv[++i]);
         else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
+        else if (!strcmp(a, "--draft-quant-pass") && v) o.n_quant = parse_list(argv[++i], o.quant, MAX_LIST);
         else return usage();
     }
     if (!o.model || o.ctx < 1 || o.gen < 2 || o.repeats < 1) return usage();
@@ -396,40 +444,8 @@ int df_cmd_bench(int argc, char **argv) {
         printf("drafter %s: %d layers, block %d, taps %d; loaded in %.1f s\n", o.drafter, dc->n_layers, dc->block_size,
                dc->n_taps, (df_now_ms() - t0) / 1000.0);
         /* drafter pass time over a context of min(ctx, window) random features */
-        const int nctx = o.ctx < o.window ? o.ctx : o.window, F = dc->n_taps * dc->hidden_size;
-        float *feats = malloc((size_t)16 * (size_t)F * sizeof(float));
-        uint64_t r = 99;
-        for (size_t i = 0; feats && i < (size_t)16 * (size_t)F; i++) {
-            r = r * 6364136223846793005ULL + 1442695040888963407ULL;
-            feats[i] = (float)((double)(r >> 40) / (double)(1ULL << 24)) - 0.5f;
-        }
-        for (int i = 0; feats && i < nctx; i += 16) {
-            int n = nctx - i < 16 ? nctx - i : 16;
-            if (df_draft_add_context(ds, feats, n, i, &err) != DF_OK) {
-                free(feats);
-                goto out;
-            }
-        }
-        free(feats);
-        const int bs[] = {8, 16};
-        double *smp = malloc((size_t)o.repeats * sizeof(double));
-        for (int k = 0; k < 2; k++) {
-            int32_t drafts[16];
-            for (int rr = -1; rr < o.repeats; rr++) {
-                sync_dev(e);
-                double a = df_now_ms();
-                if (df_draft_block(ds, prompt[0], nctx, bs[k], drafts, NULL, NULL, &err) != DF_OK) {
-                    free(smp);
-                    goto out;
-                }
-                sync_dev(e);
-                if (rr >= 0) smp[rr] = df_now_ms() - a;
-            }
-            printf("drafter pass B=%d over %d context rows: %.3f ms (median of %d)\n", bs[k], nctx,
-                   median(smp, o.repeats), o.repeats);
-        }
-        free(smp);
-
+        const int nctx = o.ctx < o.window ? o.ctx : o.window;
+        if (!draft_pass_times(e, ds, prompt[0], nctx, o.repeats, "", &err)) goto out;
         /* speed at synthetic acceptance */
         const int ngen = plain[o.gen - 1] < 0 ? 0 : o.gen;
         if (o.n_taus && ngen == 0) printf("speed at synthetic acceptance: skipped (the plain run hit an EOS id)\n");
@@ -486,6 +502,21 @@ int df_cmd_bench(int argc, char **argv) {
                        "context)\n", C, ((double)pverify[mi] + overhead) / (1 << 30), C,
                        (double)pverify[mi] / (1 << 30), overhead / (1 << 30));
             }
+        }
+        for (int qi = 0; qi < o.n_quant; qi++) { /* the same drafter with weights quantized at load
+                                                  * (last: their device copies stay in the weight
+                                                  * table and would count in the memory figures) */
+            df_drafter *dq = NULL;
+            df_draft_state *dsq = NULL;
+            char label[48];
+            snprintf(label, sizeof label, " (%d-bit weights)", o.quant[qi]);
+            int ok = df_drafter_load(&dq, o.drafter, e, &err) == DF_OK &&
+                     df_drafter_quantize(dq, o.quant[qi], &err) == DF_OK &&
+                     df_draft_state_init(&dsq, dq, o.window, &err) == DF_OK &&
+                     draft_pass_times(e, dsq, prompt[0], nctx, o.repeats, label, &err);
+            df_draft_state_free(dsq);
+            df_drafter_free(dq);
+            if (!ok) goto out;
         }
     }
 

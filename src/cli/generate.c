@@ -104,7 +104,7 @@ static json_t *parse_message(const df_chat_built *built, const df_api_request *r
 int cmd_generate(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *chat = NULL, *messages = NULL, *prompt_ids = NULL, *drafter_dir = NULL;
     df_sampling_params sp = df_sampling_default();
-    int max_tokens = 256, threads = 0, json = 0, thinking = 0, stats = 0, no_draft = 0, window = 2048;
+    int max_tokens = 256, threads = 0, json = 0, thinking = 0, stats = 0, no_draft = 0, window = 2048, draft_quant = 0;
     const char *device = "cpu";
     df_spec_params spec = df_spec_params_default();
     const char *stops[DF_MAX_STOP];
@@ -125,7 +125,7 @@ int cmd_generate(int argc, char **argv) {
         {"stop", "S", CLI_LIST, &stop, "none", "stop string, not printed (up to 16)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
         {"device", "cpu|cuda", CLI_STR, &device, "cpu", "compute backend (cuda: the first NVIDIA GPU)", 0, 0, 0},
-        CLI_DRAFT_OPTIONS(drafter_dir, spec, window, no_draft),
+        CLI_DRAFT_OPTIONS(drafter_dir, spec, window, no_draft, draft_quant),
         {"stats", NULL, CLI_FLAG, &stats, "off", "print draft_rounds, draft_n, draft_n_accepted, tokens/round and acceptance to stderr", 0, 0, 0},
         {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason, ...} instead of streaming", 0, 0, 0},
     };
@@ -141,7 +141,7 @@ int cmd_generate(int argc, char **argv) {
         if (!stop.items[i][0]) return cli_usage_error(&cmd, "--stop: a stop string cannot be empty");
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
-    if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec)) return CLI_EXIT_USAGE;
+    if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;
 
     char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;
@@ -239,6 +239,7 @@ int cmd_generate(int argc, char **argv) {
         goto done;
     }
     if (drafter_dir && (df_drafter_load(&drafter, drafter_dir, eng, &err) != DF_OK ||
+                        (draft_quant && df_drafter_quantize(drafter, draft_quant, &err) != DF_OK) ||
                         df_draft_state_init(&ds, drafter, window, &err) != DF_OK)) {
         cli_error("generate", "drafter: %s", err.msg);
         goto done;

@@ -234,7 +234,9 @@ int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
     return 0;
 }
 
-int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec) {
+int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec,
+                            int quant) {
+    if (quant != 0 && quant != 4 && quant != 8) return cli_usage_error(cmd, "--draft-quant must be 4 or 8 (got %d)", quant);
     if (!drafter)
         for (int i = 0; i < cmd->n_opts; i++)
             if (!strncmp(cmd->opts[i].name, "draft-", 6) && cmd->opts[i].given)

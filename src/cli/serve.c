@@ -80,7 +80,7 @@ int cmd_serve(int argc, char **argv) {
     const char *model = NULL, *host = "127.0.0.1", *model_id = NULL, *api_key = NULL, *drafter = NULL;
     int port = 8080, threads = 0, ctx_size = 0, max_tokens = 0, queue = 16, top_k = 20, thinking = 0;
     const char *device = "cpu";
-    int window = 2048, no_draft = 0, test_hooks = 0, timeout = 30, max_conn = 64;
+    int window = 2048, no_draft = 0, draft_quant = 0, test_hooks = 0, timeout = 30, max_conn = 64;
     size_t max_body = (size_t)8 << 20, max_header = (size_t)32 << 10;
     df_spec_params spec = df_spec_params_default();
     cli_opt opts[] = {
@@ -96,7 +96,7 @@ int cmd_serve(int argc, char **argv) {
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "thinking on for chat requests that do not set enable_thinking", 0, 0, 0},
         {"top-logprobs-k", "N", CLI_INT, &top_k, "20", "largest top_logprobs a request may ask for", 0, 20, 0},
         {"queue", "N", CLI_INT, &queue, "16", "requests that may wait while one generates; more get 503", 0, 1 << 20, 0},
-        CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft),
+        CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft, draft_quant),
         {"max-body", "BYTES", CLI_SIZE, &max_body, "8388608 (8 MiB)", "largest request body; larger ones get 413", 1024, 1073741824.0, 0},
         {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
@@ -113,7 +113,7 @@ int cmd_serve(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
         return cli_usage_error(&cmd, "--device must be cpu or cuda");
-    if (cli_check_draft_options(&cmd, drafter, no_draft, &spec)) return CLI_EXIT_USAGE;
+    if (cli_check_draft_options(&cmd, drafter, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
     (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;
@@ -149,6 +149,7 @@ int cmd_serve(int argc, char **argv) {
     so.drafter_dir = drafter;
     so.spec = spec;
     so.draft_window = window;
+    so.draft_quant = draft_quant;
     so.no_draft = no_draft;
     so.max_body = max_body;
     so.max_header = max_header;

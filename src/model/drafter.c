@@ -40,6 +40,9 @@ struct df_drafter {
     const df_tensor *sel_pred, *sel_succ; /* codebooks [V, r] */
     float **owned;
     int n_owned;
+    void **qowned;  /* buffers of weights quantized at load (df_drafter_quantize) */
+    int n_qowned;
+    int quant_bits; /* 0: the weights as stored */
 };
 
 struct df_draft_state {
@@ -339,12 +342,133 @@ void df_drafter_free(df_drafter *d) {
     if (!d) return;
     for (int i = 0; i < d->n_owned; i++) free(d->owned[i]);
     free(d->owned);
+    for (int i = 0; i < d->n_qowned; i++) free(d->qowned[i]);
+    free(d->qowned);
     free(d->layers);
     df_tensors_free(d->ts);
     free(d);
 }
 
 const df_drafter_config *df_drafter_get_config(const df_drafter *d) { return &d->cfg; }
+
+/* ---- quantization at load ------------------------------------------------------------------ */
+
+static float dense_value(const df_linear *L, size_t i) {
+    if (L->wdtype == DF_DTYPE_F32) return ((const float *)L->w)[i];
+    const uint16_t h = ((const uint16_t *)L->w)[i];
+    if (L->wdtype == DF_DTYPE_BF16) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static uint16_t f16_bits(float f) {
+    _Float16 h = (_Float16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+
+static float f16_value(uint16_t u) {
+    _Float16 h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+
+static int keep_buffer(df_drafter *d, void *p) {
+    void **n = realloc(d->qowned, (size_t)(d->n_qowned + 1) * sizeof *n);
+    if (!n) return 0;
+    d->qowned = n;
+    d->qowned[d->n_qowned++] = p;
+    return 1;
+}
+
+/* Rebinds a dense linear to MLX affine codes of `bits` bits in groups of 64 columns: per
+ * group scale = (max − min)/(2^bits − 1) and bias = min, both rounded to fp16, then
+ * q = clamp(round((w − bias)/scale), 0, 2^bits − 1) with the rounded scale and bias (so that
+ * w ≈ scale·q + bias, MODEL.md §2). Widths not divisible by 64 stay dense. Returns 0 when out of
+ * memory. */
+static int quantize_linear(df_drafter *d, df_linear *L, int bits) {
+    const int gs = 64, rows = L->rows, cols = L->cols;
+    if (L->bits != 0 || cols % gs != 0) return 1;
+    const int ng = cols / gs, qmax = (1 << bits) - 1;
+    const size_t wpr = (size_t)cols * (size_t)bits / 32;
+    uint32_t *codes = calloc((size_t)rows * wpr, sizeof *codes);
+    uint16_t *sc = malloc((size_t)rows * (size_t)ng * sizeof *sc), *bi = malloc((size_t)rows * (size_t)ng * sizeof *bi);
+    if (!codes || !sc || !bi || !keep_buffer(d, codes)) {
+        free(codes);
+        free(sc);
+        free(bi);
+        return 0;
+    }
+    if (!keep_buffer(d, sc)) {
+        free(sc);
+        free(bi);
+        return 0;
+    }
+    if (!keep_buffer(d, bi)) {
+        free(bi);
+        return 0;
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < ng; g++) {
+            const size_t base = (size_t)r * (size_t)cols + (size_t)g * gs;
+            float mn = dense_value(L, base), mx = mn;
+            for (int i = 1; i < gs; i++) {
+                const float v = dense_value(L, base + (size_t)i);
+                if (v < mn) mn = v;
+                if (v > mx) mx = v;
+            }
+            const uint16_t sh = f16_bits((mx - mn) / (float)qmax), bh = f16_bits(mn);
+            const float s = f16_value(sh), b = f16_value(bh);
+            sc[(size_t)r * ng + g] = sh;
+            bi[(size_t)r * ng + g] = bh;
+            for (int i = 0; i < gs; i++) {
+                int q = 0;
+                if (s > 0.0f) {
+                    const float t = rintf((dense_value(L, base + (size_t)i) - b) / s);
+                    q = t < 0.0f ? 0 : (t > (float)qmax ? qmax : (int)t);
+                }
+                const size_t bit = (size_t)(g * gs + i) * (size_t)bits;
+                codes[(size_t)r * wpr + bit / 32] |= (uint32_t)q << (bit % 32);
+            }
+        }
+    }
+    L->bits = bits;
+    L->group_size = gs;
+    L->wdtype = DF_DTYPE_U32;
+    L->w = codes;
+    L->sdtype = DF_DTYPE_F16;
+    L->scales = sc;
+    L->biases = bi;
+    L->hadamard_block = 0;
+    L->signs = NULL;
+    return 1;
+}
+
+df_status df_drafter_quantize(df_drafter *d, int bits, df_error *err) {
+    if (bits != 4 && bits != 8)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "drafter quantization: %d bits (expected 4 or 8)", bits);
+    if (d->quant_bits)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "drafter quantization: the weights are already %d-bit",
+                            d->quant_bits);
+    int ok = quantize_linear(d, &d->fc, bits);
+    for (int l = 0; ok && l < d->cfg.n_layers; l++) {
+        draft_layer *L = &d->layers[l];
+        df_linear *lins[] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        for (size_t i = 0; ok && i < sizeof lins / sizeof lins[0]; i++) ok = quantize_linear(d, lins[i], bits);
+    }
+    if (!ok) return df_error_set(err, DF_ERR_NOMEM, "drafter quantization: out of memory");
+    d->quant_bits = bits;
+    return DF_OK;
+}
+
+int df_drafter_quant_bits(const df_drafter *d) { return d->quant_bits; }
 
 /* ---- state ---------------------------------------------------------------------------------- */
 

@@ -227,6 +227,35 @@ df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int
     return forward_rows(s, ids, M, NULL, argmax, 0, err);
 }
 
+/* RMSNorm of x into s->h, then n linears of it (backend.h `linears`, or the primitive ops). */
+static void norm_linears(df_session *s, const float *x, const float *norm_w, int M, int n, const df_linear *const *Ws,
+                         float *const *ys) {
+    df_backend *be = s->be;
+    const df_text_config *c = &s->eng->pack->cfg;
+    if (be->ops->linears) {
+        be->ops->linears(be, x, norm_w, c->rms_norm_eps, M, c->hidden_size, n, Ws, ys, s->h);
+        return;
+    }
+    be->ops->rmsnorm(be, x, norm_w, M, c->hidden_size, c->rms_norm_eps, s->h);
+    for (int i = 0; i < n; i++) be->ops->linear(be, Ws[i], s->h, M, ys[i]);
+}
+
+/* y += W · (up ? silu(x) ⊙ up : x) (backend.h `linear_add`, or swiglu into t3, linear into s->y,
+ * add). */
+static void linear_add(df_session *s, const df_linear *W, const float *x, const float *up, int M, float *y) {
+    df_backend *be = s->be;
+    if (be->ops->linear_add) {
+        be->ops->linear_add(be, W, x, up, M, y);
+        return;
+    }
+    if (up) {
+        be->ops->swiglu(be, x, up, (size_t)M * (size_t)W->cols, s->t3);
+        x = s->t3;
+    }
+    be->ops->linear(be, W, x, M, s->y);
+    be->ops->add(be, y, s->y, (size_t)M * (size_t)W->rows);
+}
+
 static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int32_t *argmax,
                               int logits_from, df_error *err) {
     const df_pack *pk = s->eng->pack;
@@ -258,41 +287,41 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
     const df_gdn_shape gsh = {.n_k_heads = c->lin_n_k_heads, .n_v_heads = c->lin_n_v_heads,
                               .k_head_dim = c->lin_k_head_dim, .v_head_dim = c->lin_v_head_dim,
                               .conv_kernel = c->conv_kernel, .eps = c->rms_norm_eps};
-    const size_t MH = (size_t)M * (size_t)H;
 
     for (int l = 0; l < c->n_layers; l++) {
         const df_layer_weights *w = &pk->layers[l];
         df_session_layer *sl = &s->layer[l];
-        op->rmsnorm(be, s->x, w->input_norm.data, M, H, c->rms_norm_eps, s->h);
         if (w->kind == DF_LAYER_FULL_ATTENTION) {
-            op->linear(be, &w->q_proj, s->h, M, s->t1);
-            op->linear(be, &w->k_proj, s->h, M, s->t2);
-            op->linear(be, &w->v_proj, s->h, M, s->t4);
+            const df_linear *Ws[3] = {&w->q_proj, &w->k_proj, &w->v_proj};
+            float *ys[3] = {s->t1, s->t2, s->t4};
+            norm_linears(s, s->x, w->input_norm.data, M, 3, Ws, ys);
             op->attention(be, &ash, s->t1, s->t2, s->t4, w->q_norm.data, w->k_norm.data, positions, M,
                           sl->k_cache, sl->v_cache, s->pos, s->t3);
-            op->linear(be, &w->o_proj, s->t3, M, s->y);
+            linear_add(s, &w->o_proj, s->t3, NULL, M, s->x);
         } else {
-            op->linear(be, &w->in_proj_qkv, s->h, M, s->t1);
-            op->linear(be, &w->in_proj_z, s->h, M, s->t2);
-            op->linear(be, &w->in_proj_a, s->h, M, s->ta);
-            op->linear(be, &w->in_proj_b, s->h, M, s->tb);
+            const df_linear *Ws[4] = {&w->in_proj_qkv, &w->in_proj_z, &w->in_proj_a, &w->in_proj_b};
+            float *ys[4] = {s->t1, s->t2, s->ta, s->tb};
+            norm_linears(s, s->x, w->input_norm.data, M, 4, Ws, ys);
             if (s->gdn_record) s->gdn_record(s->gdn_record_user, l, s->t1, s->t2, s->ta, s->tb, M);
             op->gdn(be, &gsh, s->t1, s->t2, s->ta, s->tb, w->conv1d.data, w->A_log.data, w->dt_bias.data,
                     w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, s->t3);
-            op->linear(be, &w->out_proj, s->t3, M, s->y);
+            linear_add(s, &w->out_proj, s->t3, NULL, M, s->x);
         }
-        op->add(be, s->x, s->y, MH);
-        op->rmsnorm(be, s->x, w->post_norm.data, M, H, c->rms_norm_eps, s->h);
-        op->linear(be, &w->gate_proj, s->h, M, s->t1);
-        op->linear(be, &w->up_proj, s->h, M, s->t2);
-        op->swiglu(be, s->t1, s->t2, (size_t)M * (size_t)c->intermediate_size, s->t3);
-        op->linear(be, &w->down_proj, s->t3, M, s->y);
-        op->add(be, s->x, s->y, MH);
+        const df_linear *Wm[2] = {&w->gate_proj, &w->up_proj};
+        float *ym[2] = {s->t1, s->t2};
+        norm_linears(s, s->x, w->post_norm.data, M, 2, Wm, ym);
+        linear_add(s, &w->down_proj, s->t1, s->t2, M, s->x);
         if (s->capture) capture_plane(s, l + 1, s->x, M);
         if (s->tap) s->tap(s->tap_user, l, s->x, M);
     }
     s->pos += M;
-    if (s->capture || logits || argmax) {
+    if (argmax && !logits && !s->capture) { /* greedy decode / verify: final norm fused with lm_head */
+        const df_linear *Wl[1] = {&pk->lm_head};
+        float *yl[1] = {s->logits};
+        norm_linears(s, s->x, pk->final_norm.data, M, 1, Wl, yl);
+        op->argmax(be, s->logits, M, c->vocab_size, argmax);
+        argmax = NULL;
+    } else if (s->capture || logits || argmax) {
         op->rmsnorm(be, s->x, pk->final_norm.data, M, H, c->rms_norm_eps, s->h);
         if (s->capture) {
             capture_plane(s, c->n_layers + 1, s->h, M);

@@ -145,6 +145,8 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
         return df_error_set(err, DF_ERR_INVALID_ARG, "server: top_logprobs_k must lie within 0..%d",
                             DF_MAX_TOP_LOGPROBS);
     if (opt.draft_window < 1) return df_error_set(err, DF_ERR_INVALID_ARG, "server: the draft window must be >= 1");
+    if (opt.draft_quant != 0 && opt.draft_quant != 4 && opt.draft_quant != 8)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "server: drafter quantization must be 4 or 8 bits");
     int has_key = opt.api_key && opt.api_key[0];
     if (!has_key && !df_server_host_is_loopback(opt.host))
         return df_error_set(err, DF_ERR_INVALID_ARG,

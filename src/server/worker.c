@@ -27,6 +27,7 @@ static int load_model(df_server *srv) {
     if (!st) st = df_session_init(&srv->session, srv->eng, srv->opt.ctx_size, &err);
     if (!st && srv->drafter_dir) {
         st = df_drafter_load(&srv->drafter, srv->drafter_dir, srv->eng, &err);
+        if (!st && srv->opt.draft_quant) st = df_drafter_quantize(srv->drafter, srv->opt.draft_quant, &err);
         if (st) df_error_prefix(&err, "drafter");
         if (!st) st = df_draft_state_init(&srv->dstate, srv->drafter, srv->opt.draft_window, &err);
     }

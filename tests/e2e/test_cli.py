@@ -9,7 +9,7 @@ import pytest
 from conftest import DFLASH_BIN, DRAFTER, base_env, chatml, model_args, run_cli, tokenize
 
 DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
-                 "--draft-window", "--no-draft"]
+                 "--draft-window", "--draft-quant", "--no-draft"]
 COMMAND_OPTIONS = {
     "generate": ["--model", "--prompt", "--chat", "--messages", "--prompt-ids", "--enable-thinking", "--temperature",
                  "--top-p", "--top-k", "--min-p", "--seed", "--max-tokens", "--stop", "--threads", "--device", *DRAFT_OPTIONS,
@@ -148,6 +148,9 @@ def test_top_level_help_and_errors():
     ["serve", "--queue", "-1"],
     ["serve", "--top-logprobs-k", "21"],
     ["generate", "--chat", "hi", "--no-draft"],
+    ["generate", "--chat", "hi", "--drafter", "x", "--draft-quant", "6"],
+    ["generate", "--chat", "hi", "--drafter", "x", "--draft-quant", "16"],
+    ["serve", "--draft-quant", "8"],
     ["generate", "--chat", "hi", "--drafter", "x", "--draft-adaptive", "--draft-block-min", "8",
      "--draft-block-max", "4"],
     ["generate", "--chat", "hi", "--messages", "f.json"],
@@ -260,7 +263,7 @@ def test_generate_messages_file(tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["--draft-block", "4"], ["--draft-block", "16"],
                                    ["--draft-adaptive", "--draft-block-min", "2", "--draft-block-max", "12"],
-                                   ["--draft-window", "8"]])
+                                   ["--draft-window", "8"], ["--draft-quant", "8"], ["--draft-quant", "4"]])
 def test_generate_speculative_equals_plain(extra):
     plain = generate_json("--chat", "def fib(n):", "--max-tokens", "40")
     spec = generate_json("--chat", "def fib(n):", "--max-tokens", "40", "--drafter", DRAFTER, *extra)

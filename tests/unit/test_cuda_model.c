@@ -207,16 +207,15 @@ static void test_speculative_equals_plain(void **state) {
     df_drafter_free(d);
 }
 
-/* The DFlash2 drafter (grouped dynamic convolutions, candidate selector) on the GPU:
- * speculative == plain. */
-static void test_speculative_dflash2(void **state) {
-    (void)state;
-    NEED_GPU();
+/* speculative == plain on the GPU with the drafter of `fixture`, its weights quantized at load
+ * to `quant` bits (0: as stored). */
+static void spec_equals_plain(const char *fixture, int quant, const char *label) {
     df_error err = {0};
     df_drafter *d = NULL;
     df_session *s = NULL;
     df_draft_state *ds = NULL;
-    if (df_drafter_load(&d, tu_fixture("tiny-dflash2"), g_eng, &err) != DF_OK) fail_msg("drafter: %s", err.msg);
+    if (df_drafter_load(&d, tu_fixture(fixture), g_eng, &err) != DF_OK) fail_msg("drafter: %s", err.msg);
+    if (quant && df_drafter_quantize(d, quant, &err) != DF_OK) fail_msg("quantize: %s", err.msg);
     assert_int_equal(df_session_init(&s, g_eng, 512, &err), DF_OK);
     assert_int_equal(df_draft_state_init(&ds, d, 48, &err), DF_OK);
     long accepted = 0;
@@ -235,16 +234,31 @@ static void test_speculative_dflash2(void **state) {
             if (df_generate_speculative(s, ds, prompt, n, &gp, &sp, NULL, NULL, &got, &err) != DF_OK)
                 fail_msg("speculative: %s", err.msg);
             if (got.n_ids != want.n_ids || memcmp(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t)) != 0)
-                fail_msg("GPU DFlash2: speculative (block %d, prompt %d) differs from plain", blocks[b], i);
+                fail_msg("GPU %s: speculative (block %d, prompt %d) differs from plain", label, blocks[b], i);
             accepted += got.draft_n_accepted;
             df_gen_result_free(&got);
         }
         df_gen_result_free(&want);
     }
-    printf("GPU DFlash2 speculative == plain (%ld drafts accepted)\n", accepted);
+    printf("GPU %s speculative == plain (%ld drafts accepted)\n", label, accepted);
     df_draft_state_free(ds);
     df_session_free(s);
     df_drafter_free(d);
+}
+
+/* The DFlash2 drafter (grouped dynamic convolutions, candidate selector) on the GPU. */
+static void test_speculative_dflash2(void **state) {
+    (void)state;
+    NEED_GPU();
+    spec_equals_plain("tiny-dflash2", 0, "DFlash2");
+}
+
+/* Drafters quantized at load (the fixed-point linear without rotation, groups of 64). */
+static void test_speculative_quantized_drafter(void **state) {
+    (void)state;
+    NEED_GPU();
+    spec_equals_plain("tiny-dflash", 8, "8-bit drafter");
+    spec_equals_plain("tiny-dflash", 4, "4-bit drafter");
 }
 
 int main(void) {
@@ -253,6 +267,7 @@ int main(void) {
         cmocka_unit_test(test_rows_bitwise),
         cmocka_unit_test(test_speculative_equals_plain),
         cmocka_unit_test(test_speculative_dflash2),
+        cmocka_unit_test(test_speculative_quantized_drafter),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -5,6 +5,7 @@
  * drafter window, stop tokens and max_tokens inside a block, adaptive block sizes. */
 #include "support.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -264,6 +265,76 @@ static void test_dflash2_exact(void **state) {
     df_drafter_free(d2);
 }
 
+/* A drafter quantized at load (8 and 4 bits): its logits stay close to the bf16 drafter's
+ * (quantization error: half a step of (max − min)/(2^bits − 1) per weight), it refuses bad
+ * bit counts and a second quantization, and speculative output still equals plain output. */
+static void test_quantized_drafter(void **state) {
+    (void)state;
+    df_error err = {0};
+    const int bits[] = {8, 4};
+    const double bound[] = {0.05, 0.5}; /* max |Δ logit| / max |logit| */
+    const int V = df_engine_vocab_size(g_eng), B = 8;
+    float *ref = malloc((size_t)(B - 1) * V * sizeof(float)), *got = malloc((size_t)(B - 1) * V * sizeof(float));
+    int32_t drafts[16];
+    /* context: the target's taps over a prompt, through the speculative path's own helper */
+    df_gen_params gp = df_gen_params_default();
+    gp.max_tokens = 4;
+    df_spec_params sp0 = df_spec_params_default();
+    sp0.block = 4;
+    df_gen_result r0;
+    if (df_generate_speculative(g_sess, g_ds, g_prompts[3], g_plen[3], &gp, &sp0, NULL, NULL, &r0, &err) != DF_OK)
+        fail_msg("%s", err.msg);
+    df_gen_result_free(&r0);
+    const int ctx = df_draft_state_len(g_ds);
+    assert_true(ctx > 0);
+    if (df_draft_block(g_ds, 5, ctx, B, drafts, NULL, ref, &err) != DF_OK) fail_msg("%s", err.msg);
+    for (int q = 0; q < 2; q++) {
+        df_drafter *dq = NULL;
+        df_draft_state *dsq = NULL;
+        if (df_drafter_load(&dq, tu_fixture("tiny-dflash"), g_eng, &err) != DF_OK) fail_msg("%s", err.msg);
+        assert_int_equal(df_drafter_quantize(dq, 3, &err), DF_ERR_INVALID_ARG);
+        assert_int_equal(df_drafter_quantize(dq, bits[q], &err), DF_OK);
+        assert_int_equal(df_drafter_quant_bits(dq), bits[q]);
+        assert_int_equal(df_drafter_quantize(dq, bits[q], &err), DF_ERR_INVALID_ARG);
+        assert_int_equal(df_draft_state_init(&dsq, dq, 48, &err), DF_OK);
+        /* same context rows as g_ds: rebuild them by running the same speculative request */
+        df_draft_state *saved = g_ds;
+        g_ds = dsq;
+        if (df_generate_speculative(g_sess, g_ds, g_prompts[3], g_plen[3], &gp, &sp0, NULL, NULL, &r0, &err) != DF_OK)
+            fail_msg("%s", err.msg);
+        df_gen_result_free(&r0);
+        assert_int_equal(df_draft_state_len(dsq), ctx);
+        if (df_draft_block(dsq, 5, ctx, B, drafts, NULL, got, &err) != DF_OK) fail_msg("%s", err.msg);
+        double d = 0, m = 0;
+        for (size_t i = 0; i < (size_t)(B - 1) * V; i++) {
+            double e = fabs((double)got[i] - (double)ref[i]);
+            if (e > d) d = e;
+            if (fabs((double)ref[i]) > m) m = fabs((double)ref[i]);
+        }
+        printf("drafter quantized to %d bits: logits max |delta| %.3g of max |logit| %.3g\n", bits[q], d, m);
+        assert_true(d <= bound[q] * m);
+        assert_true(d > 0); /* the weights did change */
+        for (int i = 0; i < (n_prompts() < 12 ? 3 : 12); i++) {
+            df_gen_params g2 = df_gen_params_default();
+            g2.max_tokens = GEN;
+            df_gen_result want;
+            plain(g_prompts[i], g_plen[i], &g2, &want);
+            const int blocks[] = {4, 8, 16};
+            for (int b = 0; b < 3; b++) {
+                df_spec_params sp = df_spec_params_default();
+                sp.block = blocks[b];
+                spec_check(g_prompts[i], g_plen[i], &g2, &sp, &want, "quantized drafter", i);
+            }
+            df_gen_result_free(&want);
+        }
+        g_ds = saved;
+        df_draft_state_free(dsq);
+        df_drafter_free(dq);
+    }
+    free(ref);
+    free(got);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
@@ -271,6 +342,7 @@ int main(void) {
         cmocka_unit_test(test_stops_inside_block),
         cmocka_unit_test(test_window_and_adaptive),
         cmocka_unit_test(test_dflash2_exact),
+        cmocka_unit_test(test_quantized_drafter),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -17,7 +17,9 @@
 /* ---- tables ----------------------------------------------------------------------------------- */
 
 enum { W_VEC = 1, W_LIN = 2, W_EMB = 3 };
-enum { LIN_SIMPLE = 0 }; /* otherwise a DFK_MMA_* mode */
+/* linear modes: LIN_SIMPLE (CUDA cores, any format), a DFK_MMA_* mode (bf16 tensor cores),
+ * LIN_Q (fixed-point integer tensor cores, cuda_qlin.cu), LIN_DENSE (dense 16-bit, CUDA cores) */
+enum { LIN_SIMPLE = 0, LIN_Q = 32, LIN_DENSE = 33 };
 
 #define FP_BYTES 32
 
@@ -67,7 +69,14 @@ typedef struct cuda_backend {
     float *conv_out;
     size_t conv_cap;
     int32_t *ids;
+    /* prepared inputs of the fixed-point linears: one slot per linear of a call */
+    uint32_t *qx[DFK_QMAX];
+    float *qe[DFK_QMAX], *qs[DFK_QMAX];
+    size_t qx_cap[DFK_QMAX], qe_cap[DFK_QMAX], qs_cap[DFK_QMAX];
+    float *hbuf, *lbuf;
+    size_t hbuf_cap, lbuf_cap;
     int force_simple;
+    int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
@@ -308,6 +317,20 @@ static int choose_kw(int rows, int ng) {
     return kw;
 }
 
+/* K-slices of the fixed-point linear, from the shape alone (so the bits are the same on every
+ * GPU and for every M): enough warps for the whole GPU (about 2048: 16-row tiles x slices)
+ * while each warp keeps >= 4 groups to stream. A constant, not the device's SM count. Measured
+ * on the H200 against a fixed 8 or 4 slices for every shape: 135.9 vs 109.0 / 124.3 tok/s. */
+static int choose_kw_q(int rows, int ng) {
+    const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
+    if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
+        return atoi(force);
+    const int tiles = (rows + 15) / 16;
+    int kw = 1;
+    while (kw < 8 && tiles * kw < 2048 && ng / (2 * kw) >= 4) kw *= 2;
+    return kw;
+}
+
 static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
 
 /* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
@@ -342,19 +365,22 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     if (kind == W_LIN && !cb->force_simple) {
         if ((L->bits == 2 || L->bits == 4 || L->bits == 8) && (L->group_size == 64 || L->group_size == 128) &&
             cols % L->group_size == 0 && (L->sdtype == DF_DTYPE_F16 || L->sdtype == DF_DTYPE_BF16))
-            e->mode = L->bits, e->lgs = L->group_size;
+            e->mode = cb->qpath ? LIN_Q : L->bits, e->lgs = L->group_size;
         else if (L->bits == 0 && L->wdtype == DF_DTYPE_BF16 && cols % 64 == 0)
             e->mode = DFK_MMA_BF16, e->lgs = 64;
+        else if (L->bits == 0 && (L->wdtype == DF_DTYPE_F16 || L->wdtype == DF_DTYPE_BF16) && cols % 8 == 0)
+            e->mode = LIN_DENSE;
     }
     int ok = 1;
-    if (e->mode != LIN_SIMPLE) {
-        const int ng = cols / e->lgs;
-        e->KW = choose_kw(rows, ng);
+    if (e->mode != LIN_SIMPLE && e->mode != LIN_DENSE) { /* repacked on the device */
+        const int ng = cols / e->lgs, q = e->mode == LIN_Q, quant = e->mode != DFK_MMA_BF16;
+        e->KW = q ? choose_kw_q(rows, ng) : choose_kw(rows, ng);
         const size_t wpl = e->mode == DFK_MMA_BF16 ? (size_t)(e->lgs / 16) * 4 : (size_t)e->mode * (size_t)e->lgs / 64;
-        const size_t nwords = (size_t)tiles * (size_t)ng * 32 * wpl;
+        const size_t nwords = q ? dfk_q_code_words(rows, cols, L->bits, L->group_size)
+                                : (size_t)tiles * (size_t)ng * 32 * wpl;
         void *t_w = dmalloc(cb, hbytes), *t_s = NULL, *t_b = NULL;
         ok = t_w && cudaMemcpy(t_w, L->w, hbytes, cudaMemcpyHostToDevice) == cudaSuccess;
-        if (ok && e->mode != DFK_MMA_BF16) {
+        if (ok && quant) {
             t_s = dmalloc(cb, sb_bytes);
             t_b = dmalloc(cb, sb_bytes);
             ok = t_s && t_b && cudaMemcpy(t_s, L->scales, sb_bytes, cudaMemcpyHostToDevice) == cudaSuccess &&
@@ -364,14 +390,15 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
             e->d_w = walloc(cb, nwords * 4);
             ok = e->d_w != NULL;
         }
-        if (ok && e->mode != DFK_MMA_BF16) {
+        if (ok && quant) {
             e->d_s = walloc(cb, (size_t)tiles * (size_t)ng * 16 * 4);
             ok = e->d_s != NULL;
         }
         if (ok) {
-            int st = e->mode == DFK_MMA_BF16 ? dfk_repack_bf16(t_w, rows, cols, e->d_w)
-                                             : dfk_repack_quant(t_w, t_s, t_b, rows, cols, L->bits, L->group_size,
-                                                                e->d_w, e->d_s);
+            int st = q ? dfk_repack_q(t_w, t_s, t_b, rows, cols, L->bits, L->group_size, e->d_w, e->d_s)
+                       : e->mode == DFK_MMA_BF16
+                             ? dfk_repack_bf16(t_w, rows, cols, e->d_w)
+                             : dfk_repack_quant(t_w, t_s, t_b, rows, cols, L->bits, L->group_size, e->d_w, e->d_s);
             if (st == 0) st = (int)cudaDeviceSynchronize();
             if (st != 0) {
                 fail(cb, "CUDA backend: repacking %s: %s", L->name ? L->name : "(linear)",
@@ -416,7 +443,7 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
  * decoded token. Replays run exactly the kernels with exactly the arguments of an eager run:
  * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly. */
 
-#define CMD_ARGS 200
+#define CMD_ARGS 320
 #define DF_CUDA_MAX_PARAMS 65536
 #define DF_CUDA_STAGE_BYTES ((size_t)32 << 20)
 #define DF_CUDA_MAX_GRAPHS 256
@@ -780,10 +807,21 @@ static int run_lin_simple(cuda_backend *cb, const void *args) {
                              a->y);
 }
 
+static void lin_group(cuda_backend *cb, const float *x, const float *up, const float *norm_w, float eps, int mm,
+                      int cols, int n, const df_linear *const *Ws, float *const *ys, int add, float *h_out);
+
 static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y) {
     cuda_backend *cb = cub(be);
     const wentry *e = dlin(cb, W, W_LIN);
     if (!e) return;
+    if (e->mode == LIN_Q || e->mode == LIN_DENSE) {
+        for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
+            const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
+            float *yo = y + (size_t)m0 * (size_t)W->rows;
+            lin_group(cb, x + (size_t)m0 * (size_t)W->cols, NULL, NULL, 0.0f, mm, W->cols, 1, &W, &yo, 0, NULL);
+        }
+        return;
+    }
     const int rows = W->rows, cols = W->cols, hb = W->hadamard_block;
     if (hb > 8192 || (hb > 0 && cols % hb != 0)) {
         fail(cb, "linear %s: Hadamard block %d not supported on the CUDA backend", W->name ? W->name : "", hb);
@@ -850,6 +888,241 @@ static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M,
         l.xb = cb->xb;
         l.xs = quant ? cb->xs : NULL;
         record(cb, run_lin_mma, "linear", &l, sizeof l);
+    }
+}
+
+/* ---- fused linears: one input preparation for several linears ------------------------------
+ *
+ * lin_group runs n <= DFK_QMAX linears on one input v = norm(act(x)) (act: SwiGLU with `up`, or
+ * none; norm: RMSNorm with norm_w, or none) of mm <= 16 rows: one dfk_qprep for all of them
+ * (it writes v itself to h when a linear needs the float input), then the fixed-point linears
+ * of one format in one launch, the dense ones in another, any other format through the
+ * unfused path. add = 1: y += W·v (the residual add in the linear's epilogue). */
+
+typedef struct a_qprep {
+    const float *x, *up, *norm_w;
+    float *h;
+    float eps;
+    int M, cols, seg, n;
+    dfk_qout outs[DFK_QMAX];
+} a_qprep;
+
+static int run_qprep(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_qprep *a = args;
+    return dfk_qprep(a->x, a->up, a->norm_w, a->eps, a->M, a->cols, a->seg, a->h, a->n, a->outs);
+}
+
+typedef struct a_qlin {
+    int bits, gs, sb_bf16, M, TR, n;
+    dfk_qlin l[DFK_QMAX];
+} a_qlin;
+
+static int run_qlin(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_qlin *a = args;
+    return dfk_linear_q(a->bits, a->gs, a->sb_bf16, a->M, a->TR, a->n, a->l);
+}
+
+typedef struct a_dlin {
+    int M, n;
+    dfk_dlin l[DFK_QMAX];
+} a_dlin;
+
+static int run_dlin(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_dlin *a = args;
+    return dfk_linear_dense(a->M, a->n, a->l);
+}
+
+static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y);
+static void cu_rmsnorm(df_backend *be, const float *x, const float *w, int rows, int width, float eps, float *y);
+static void cu_add(df_backend *be, float *y, const float *x, size_t n);
+static void cu_swiglu(df_backend *be, const float *gate, const float *up, size_t n, float *out);
+
+/* Columns per prep block: a multiple of every hb and gs dividing cols, up to 1024 (more blocks
+ * per row: the prep of one row is a latency chain). */
+static int qprep_seg(int cols, int base) {
+    if (cols % base != 0) return cols; /* no fixed-point output and an odd width: one block per row */
+    int seg = base;
+    while (seg < 1024 && cols % (2 * seg) == 0) seg *= 2;
+    return seg;
+}
+
+static void lin_group(cuda_backend *cb, const float *x, const float *up, const float *norm_w, float eps, int mm,
+                      int cols, int n, const df_linear *const *Ws, float *const *ys, int add, float *h_out) {
+    const wentry *es[DFK_QMAX];
+    int nq = 0, nother = 0, base = 16;
+    for (int i = 0; i < n; i++) {
+        if (Ws[i]->cols != cols) {
+            fail(cb, "linears: %s has %d columns, the input %d", Ws[i]->name ? Ws[i]->name : "", Ws[i]->cols, cols);
+            return;
+        }
+        if (!(es[i] = dlin(cb, Ws[i], W_LIN))) return;
+        const int hb = Ws[i]->hadamard_block;
+        if (hb > 8192 || (hb > 0 && cols % hb != 0)) {
+            fail(cb, "linear %s: Hadamard block %d not supported on the CUDA backend", Ws[i]->name ? Ws[i]->name : "",
+                 hb);
+            return;
+        }
+        if (es[i]->mode == LIN_Q) {
+            nq++;
+            if (hb > base) base = hb;
+            if (es[i]->lgs > base) base = es[i]->lgs;
+        } else {
+            nother++;
+        }
+    }
+    const float *dnorm = NULL;
+    if (norm_w && !(dnorm = dvec(cb, norm_w, (size_t)cols))) return;
+    /* the float input v, when some linear needs it and it is not x itself */
+    const float *v = x;
+    if (nother && (dnorm || up)) {
+        if (h_out) v = h_out;
+        else {
+            if (!scratch(cb, (void **)&cb->hbuf, &cb->hbuf_cap, (size_t)mm * (size_t)cols, sizeof(float))) return;
+            v = cb->hbuf;
+        }
+    }
+    const int fused_norm = dnorm && qprep_seg(cols, base) <= DFK_QPREP_MAX_SEG;
+    if (dnorm && !fused_norm) { /* a Hadamard block too wide for one prep block: the norm first */
+        float *hh = h_out;
+        if (!hh) {
+            if (!scratch(cb, (void **)&cb->hbuf, &cb->hbuf_cap, (size_t)mm * (size_t)cols, sizeof(float))) return;
+            hh = cb->hbuf;
+        }
+        if (up) { /* SwiGLU then RMSNorm: not a pattern of the models; composed */
+            cu_swiglu(&cb->base, x, up, (size_t)mm * (size_t)cols, hh);
+            cu_rmsnorm(&cb->base, hh, norm_w, mm, cols, eps, hh);
+        } else {
+            cu_rmsnorm(&cb->base, x, norm_w, mm, cols, eps, hh);
+        }
+        x = hh;
+        up = NULL;
+        dnorm = NULL;
+        v = hh;
+    }
+    if (nq || v != x) {
+        a_qprep p;
+        memset(&p, 0, sizeof p);
+        p.x = x;
+        p.up = up;
+        p.norm_w = dnorm;
+        p.h = v != x ? (float *)v : (h_out && (dnorm || up) ? h_out : NULL);
+        p.eps = eps;
+        p.M = mm;
+        p.cols = cols;
+        p.seg = qprep_seg(cols, base);
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            if (es[i]->mode != LIN_Q) continue;
+            const int ng = cols / es[i]->lgs;
+            if (!scratch(cb, (void **)&cb->qx[k], &cb->qx_cap[k], (size_t)mm * (size_t)cols / 2, sizeof(uint32_t)) ||
+                !scratch(cb, (void **)&cb->qe[k], &cb->qe_cap[k], (size_t)mm * (size_t)ng, sizeof(float)) ||
+                !scratch(cb, (void **)&cb->qs[k], &cb->qs_cap[k], (size_t)mm * (size_t)ng, sizeof(float)))
+                return;
+            dfk_qout *o = &p.outs[k++];
+            o->signs = Ws[i]->hadamard_block > 0 ? es[i]->d_signs : NULL;
+            o->hb = Ws[i]->hadamard_block;
+            o->hscale = hadamard_scale(o->hb);
+            o->gs = es[i]->lgs;
+        }
+        for (int i = 0; i < k; i++) {
+            p.outs[i].xq = cb->qx[i];
+            p.outs[i].xe = cb->qe[i];
+            p.outs[i].xsx = cb->qs[i];
+        }
+        p.n = k ? k : 1; /* k == 0: only v is written (output 0 without xq) */
+        record(cb, run_qprep, "linear prep", &p, sizeof p);
+    }
+    /* the fixed-point linears, one launch per format, in order */
+    int k = 0;
+    for (int i = 0; i < n;) {
+        if (es[i]->mode != LIN_Q) {
+            i++;
+            continue;
+        }
+        a_qlin q;
+        memset(&q, 0, sizeof q);
+        q.bits = Ws[i]->bits;
+        q.gs = es[i]->lgs;
+        q.sb_bf16 = Ws[i]->sdtype == DF_DTYPE_BF16;
+        q.M = mm;
+        q.TR = dfk_linear_q_max_tr(mm);
+        for (int j = i; j < n && q.n < DFK_QMAX; j++) {
+            if (es[j]->mode != LIN_Q) continue;
+            if (Ws[j]->bits != q.bits || es[j]->lgs != q.gs || (Ws[j]->sdtype == DF_DTYPE_BF16) != q.sb_bf16) break;
+            dfk_qlin *l = &q.l[q.n++];
+            l->codes = es[j]->d_w;
+            l->sb = es[j]->d_s;
+            l->rows = Ws[j]->rows;
+            l->cols = cols;
+            l->KW = es[j]->KW;
+            l->add = add;
+            l->xq = cb->qx[k];
+            l->xe = cb->qe[k];
+            l->xsx = cb->qs[k];
+            l->y = ys[j];
+            k++;
+            const int tiles = (Ws[j]->rows + 15) / 16, RW = 8 / es[j]->KW;
+            const int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
+            if (tr < q.TR) q.TR = tr;
+            i = j + 1;
+        }
+        record(cb, run_qlin, "linear", &q, sizeof q);
+    }
+    /* dense 16-bit linears in one launch; any other format unfused */
+    a_dlin d;
+    memset(&d, 0, sizeof d);
+    d.M = mm;
+    for (int i = 0; i < n; i++) {
+        if (es[i]->mode == LIN_DENSE && !add) {
+            dfk_dlin *l = &d.l[d.n++];
+            l->w = es[i]->d_w;
+            l->wdtype = wdtype_code(Ws[i]->wdtype);
+            l->rows = Ws[i]->rows;
+            l->cols = cols;
+            l->x = v;
+            l->y = ys[i];
+        } else if (es[i]->mode != LIN_Q) {
+            if (add) {
+                if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)Ws[i]->rows, sizeof(float)))
+                    return;
+                cu_linear(&cb->base, Ws[i], v, mm, cb->lbuf);
+                cu_add(&cb->base, ys[i], cb->lbuf, (size_t)mm * (size_t)Ws[i]->rows);
+            } else {
+                cu_linear(&cb->base, Ws[i], v, mm, ys[i]);
+            }
+        }
+    }
+    if (d.n) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
+}
+
+/* backend.h `linears`: RMSNorm (optional) + several linears of the same input. */
+static void cu_linears(df_backend *be, const float *x, const float *norm_w, float eps, int M, int width, int n,
+                       const df_linear *const *Ws, float *const *ys, float *h_out) {
+    cuda_backend *cb = cub(be);
+    if (n < 1 || n > DFK_QMAX) {
+        fail(cb, "linears: %d linears in one call (1..%d)", n, DFK_QMAX);
+        return;
+    }
+    for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
+        const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
+        float *yo[DFK_QMAX];
+        for (int i = 0; i < n; i++) yo[i] = ys[i] + (size_t)m0 * (size_t)Ws[i]->rows;
+        lin_group(cb, x + (size_t)m0 * (size_t)width, NULL, norm_w, eps, mm, width, n, Ws, yo, 0,
+                  h_out ? h_out + (size_t)m0 * (size_t)width : NULL);
+    }
+}
+
+/* backend.h `linear_add`: y += W · act(x). */
+static void cu_linear_add(df_backend *be, const df_linear *W, const float *x, const float *up, int M, float *y) {
+    cuda_backend *cb = cub(be);
+    for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
+        const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
+        float *yo = y + (size_t)m0 * (size_t)W->rows;
+        const size_t xo = (size_t)m0 * (size_t)W->cols;
+        lin_group(cb, x + xo, up ? up + xo : NULL, NULL, 0.0f, mm, W->cols, 1, &W, &yo, 1, NULL);
     }
 }
 
@@ -1125,8 +1398,13 @@ static void cu_destroy(df_backend *be) {
         free(cb->w[i]);
     }
     free(cb->w);
-    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams};
+    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams, cb->hbuf, cb->lbuf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
+    for (int i = 0; i < DFK_QMAX; i++) {
+        dfree(cb, cb->qx[i]);
+        dfree(cb, cb->qe[i]);
+        dfree(cb, cb->qs[i]);
+    }
     /* buffers the caller did not free */
     for (size_t i = 0; i < cb->a_cap; i++)
         if (cb->a[i].p && cb->a[i].p != (void *)1) cudaFree(cb->a[i].p);
@@ -1158,6 +1436,8 @@ static const df_backend_ops cuda_ops = {
     .dyn_conv = cu_dyn_conv,
     .gdn = cu_gdn,
     .argmax = cu_argmax,
+    .linears = cu_linears,
+    .linear_add = cu_linear_add,
 };
 
 int df_cuda_available(void) {
@@ -1189,10 +1469,22 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->base.n_threads = 1;
     const char *lin = getenv("DFLASH_CUDA_LINEAR");
     cb->force_simple = lin && strcmp(lin, "simple") == 0;
+    /* DFLASH_CUDA_LINEAR=bf16split: quantized weights on the bf16 tensor-core path (exact
+     * float32 activations, slower) instead of the fixed-point path */
+    cb->qpath = !(lin && strcmp(lin, "bf16split") == 0);
+    const char *pdl = getenv("DFLASH_CUDA_PDL");
+    dfk_set_pdl(!(pdl && strcmp(pdl, "0") == 0));
+    const char *qp = getenv("DFLASH_CUDA_QPERSIST");
+    dfk_set_q_persistent(qp && strcmp(qp, "1") == 0);
+    const char *qsm = getenv("DFLASH_CUDA_QSMEM");
+    dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");
     cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 1056; /* about 4 waves of 2 CTAs per SM */
     struct cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) dfk_set_sm_count(prop.multiProcessorCount);
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+        dfk_set_sm_count(prop.multiProcessorCount);
+        dfk_set_q_sm_count(prop.multiProcessorCount);
+    }
     const char *dec = getenv("DFLASH_CUDA_DEC");
     dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
     const char *occ = getenv("DFLASH_CUDA_OCC"); /* experiments: 3 = a tighter register budget (spills) */

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_rowops.cuh"
 
 #define FULL_MASK 0xffffffffu
 
@@ -69,6 +70,7 @@ static int g_occ = 2;
 extern "C" void dfk_set_occupancy(int v) { g_occ = v == 3 ? 3 : 2; }
 
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
+extern "C" void *dfk_get_stream(void) { return (void *)g_stream; }
 
 /* ---- Hadamard in shared memory --------------------------------------------------------- */
 
@@ -933,28 +935,14 @@ extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const ui
 
 /* ---- norms and elementwise ------------------------------------------------------------------- */
 
-/* One block of 256 threads per row. Thread tid sums x[i]^2 for i = tid, tid + 256, ... in that
- * order (the loads of 8 such elements are issued together before the adds), then the fixed
- * block tree; so the bits depend on the width alone. */
+/* One block of 256 threads per row: the sum of squares of dfk_row_sumsq (cuda_rowops.cuh, the
+ * order shared with the norm fused into dfk_qprep), then y = (x · inv) · w. */
 __global__ void __launch_bounds__(256) k_rmsnorm(const float *x, const float *w, int width, float eps, float *y) {
-    __shared__ float red[256];
+    __shared__ float red8[8];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
     float *yr = y + (size_t)blockIdx.x * (size_t)width;
     const int tid = threadIdx.x;
-    float acc = 0.0f;
-    for (int i0 = 0; i0 < width; i0 += 8 * 256) {
-        float v[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int i = i0 + j * 256 + tid;
-            v[j] = i < width ? __ldg(&xr[i]) : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (i0 + j * 256 + tid < width) acc = acc + v[j] * v[j];
-    }
-    float ms = block_sum(acc, red) / (float)width;
-    float inv = 1.0f / sqrtf(ms + eps);
+    const float inv = dfk_rms_inv(dfk_row_sumsq(xr, NULL, width, red8), width, eps);
     for (int i0 = 0; i0 < width; i0 += 8 * 256) {
         float v[8], wv[8];
 #pragma unroll
@@ -1003,6 +991,23 @@ extern "C" int dfk_swiglu(const float *gate, const float *up, size_t n, float *o
 
 /* ---- argmax ------------------------------------------------------------------------------------ */
 
+/* Tree merge of (value, index) pairs in shared memory, n a power of two: the larger value
+ * wins, ties go to the lower index, index -1 = empty. */
+static __device__ void am_merge(float *bv, int *bi, int tid, int n) {
+    for (int s = n / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            const float ov = bv[tid + s];
+            const int oi = bi[tid + s];
+            const int take = oi >= 0 && (bi[tid] < 0 || ov > bv[tid] || (ov == bv[tid] && oi < bi[tid]));
+            if (take) {
+                bv[tid] = ov;
+                bi[tid] = oi;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 __global__ void k_argmax(const float *x, int width, int32_t *out) {
     __shared__ float bv[1024];
     __shared__ int bi[1024];
@@ -1020,22 +1025,61 @@ __global__ void k_argmax(const float *x, int width, int32_t *out) {
     bv[tid] = best;
     bi[tid] = besti;
     __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            float ov = bv[tid + s];
-            int oi = bi[tid + s];
-            int take = oi >= 0 && (bi[tid] < 0 || ov > bv[tid] || (ov == bv[tid] && oi < bi[tid]));
-            if (take) {
-                bv[tid] = ov;
-                bi[tid] = oi;
-            }
-        }
-        __syncthreads();
-    }
+    am_merge(bv, bi, tid, (int)blockDim.x);
     if (tid == 0) out[blockIdx.x] = bi[0] < 0 ? 0 : bi[0];
 }
 
+/* Two-stage argmax for up to DFK_MAX_ROWS rows: AM_PARTS blocks per row each take a contiguous
+ * slice with the rule of k_argmax (strictly greater replaces; ties and merges keep the lowest
+ * index), then one block per row merges the slices' (value, index) pairs with the same rule:
+ * the same index as a sequential scan for any split. */
+#define AM_PARTS 128
+__device__ float g_am_v[DFK_MAX_ROWS * AM_PARTS];
+__device__ int g_am_i[DFK_MAX_ROWS * AM_PARTS];
+
+__global__ void __launch_bounds__(256) k_argmax_part(const float *x, int width) {
+    __shared__ float bv[256];
+    __shared__ int bi[256];
+    const int row = blockIdx.y, part = blockIdx.x, tid = threadIdx.x;
+    const int chunk = (width + AM_PARTS - 1) / AM_PARTS, lo = part * chunk;
+    const int hi = lo + chunk < width ? lo + chunk : width;
+    const float *xr = x + (size_t)row * (size_t)width;
+    float best = 0.0f;
+    int besti = -1;
+    for (int i = lo + tid; i < hi; i += 256) {
+        const float v = xr[i];
+        if (besti < 0 || v > best) {
+            best = v;
+            besti = i;
+        }
+    }
+    bv[tid] = best;
+    bi[tid] = besti;
+    __syncthreads();
+    am_merge(bv, bi, tid, 256);
+    if (tid == 0) {
+        g_am_v[row * AM_PARTS + part] = bv[0];
+        g_am_i[row * AM_PARTS + part] = bi[0];
+    }
+}
+
+__global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out) {
+    __shared__ float bv[AM_PARTS];
+    __shared__ int bi[AM_PARTS];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    bv[tid] = g_am_v[row * AM_PARTS + tid];
+    bi[tid] = g_am_i[row * AM_PARTS + tid];
+    __syncthreads();
+    am_merge(bv, bi, tid, AM_PARTS);
+    if (tid == 0) out[row] = bi[0] < 0 ? 0 : bi[0];
+}
+
 extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
+    if (rows <= DFK_MAX_ROWS && width >= 64 * AM_PARTS) {
+        k_argmax_part<<<dim3(AM_PARTS, (unsigned)rows), 256, 0, g_stream>>>(x, width);
+        k_argmax_merge<<<(unsigned)rows, AM_PARTS, 0, g_stream>>>(out);
+        return launch_status();
+    }
     k_argmax<<<(unsigned)rows, 1024, 0, g_stream>>>(x, width, out);
     return launch_status();
 }

@@ -80,6 +80,87 @@ int dfk_linear_mma_max_tr(int mode, int gs, int M);
 int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const uint16_t *biases, int sb_bf16,
                       int bits, int gs, int rows, int cols, const float *xf, int M, float *y);
 
+/* ---- fixed-point linear (cuda_qlin.cu) -------------------------------------------------------
+ *
+ * Quantized weights (2/4/8-bit MLX affine codes, groups of 64 or 128) times activations held
+ * as 16-bit fixed point per group (an exponent per (row, group) and two int8 planes), on the
+ * integer tensor cores: the dot product of a group is exact, so a row's bits do not depend on
+ * M. The arithmetic, its order and its error bound are in the comment at the top of
+ * cuda_qlin.cu. */
+
+#define DFK_QMAX 4                /* linears per dfk_qprep / dfk_linear_q / dfk_linear_dense call */
+#define DFK_QPREP_MAX_SEG 24576   /* columns one dfk_qprep block holds (float32 in shared memory) */
+
+/* One quantized input of dfk_qprep: the rotation of its linear (signs: device [cols], NULL
+ * when hb = 0; hscale = 1/sqrt(hb)), its group size gs (64 or 128), and the outputs:
+ * xq: uint32 [M, 2, cols/gs, 4, gs/32, 2] (B fragments of the two planes), xe, xsx: float
+ * [M, cols/gs] (2^E and S·2^E per group). xq == NULL: no quantized output. */
+typedef struct dfk_qout {
+    const float *signs;
+    int hb;
+    float hscale;
+    int gs;
+    uint32_t *xq;
+    float *xe, *xsx;
+} dfk_qout;
+
+/* Activation preparation for up to DFK_QMAX linears that share one input, M rows:
+ * v = up ? silu(x)·up : x (elementwise, float32); when norm_w != NULL, v = RMSNorm(v)·norm_w
+ * (mean of squares over the whole row in the order of dfk_rmsnorm, then (v·rsqrt)·w: the same
+ * bits as dfk_rmsnorm); h (when not NULL) receives v [M, cols]; then per output its rotation
+ * and quantization. seg: the columns of one block (a multiple of every output's hb and gs
+ * dividing cols, <= DFK_QPREP_MAX_SEG); grid: M x cols/seg x n blocks. */
+int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg, float *h,
+              int n, const dfk_qout *outs);
+
+/* Code words of a repacked weight [rows, cols] (the sb table has ceil(rows/16)·(cols/gs)·16
+ * words). */
+size_t dfk_q_code_words(int rows, int cols, int bits, int gs);
+
+/* Repacks MLX codes (uint32 [rows, cols·bits/32]) and 16-bit scales/biases [rows, cols/gs] into
+ * the m16n8k32 fragment layout of dfk_linear_q (rows padded to 16 with zeros). bits 2, 4, 8;
+ * gs 64, 128. */
+int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols, int bits,
+                 int gs, uint32_t *codes, uint32_t *sb);
+
+/* One linear of dfk_linear_q: y[M, rows] (+)= W · x' from the prepared input (xq, xe, xsx of
+ * dfk_qprep with this linear's rotation and gs). KW: K-slices (1, 2, 4, 8), from the weight's
+ * shape only. add: 1 = y += W·x' (the residual add fused; same bits as a separate add). */
+typedef struct dfk_qlin {
+    const uint32_t *codes, *sb;
+    int rows, cols, KW, add;
+    const uint32_t *xq;
+    const float *xe, *xsx;
+    float *y;
+} dfk_qlin;
+
+/* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one
+ * launch. TR: 16-row tiles per warp (work distribution only; capped at
+ * dfk_linear_q_max_tr(M)). */
+int dfk_linear_q(int bits, int gs, int sb_bf16, int M, int TR, int n, const dfk_qlin *lins);
+int dfk_linear_q_max_tr(int M);
+
+/* Dense 16-bit linears on CUDA cores: y[M, rows] (+)= W x for W f16 (wdtype 0) or bf16 (1)
+ * [rows, cols], cols % 8 == 0, x float32 [M, cols]; one block per output row, fixed order. */
+typedef struct dfk_dlin {
+    const void *w;
+    int wdtype, rows, cols, add;
+    const float *x;
+    float *y;
+} dfk_dlin;
+int dfk_linear_dense(int M, int n, const dfk_dlin *lins);
+
+/* Multiprocessor count (sizes the persistent grid of dfk_linear_q). */
+void dfk_set_q_sm_count(int n);
+/* 1: dfk_linear_q runs a persistent grid (an experiment; default 0: one CTA per work unit). */
+void dfk_set_q_persistent(int on);
+/* 1: dfk_linear_q copies the prepared input into shared memory when it fits (default). */
+void dfk_set_qsmem(int on);
+/* 1: launch the kernels of cuda_qlin.cu with programmatic dependent launch (default). */
+void dfk_set_pdl(int on);
+/* The stream of the launchers (dfk_set_stream). */
+void *dfk_get_stream(void);
+
 /* ---- elementwise and norms ------------------------------------------------------------------ */
 
 /* out[m, :] = embedding row ids[m] (ids: device int32 [M]): dequantized (MLX layout,

@@ -1,0 +1,873 @@
+/* The fixed-point linear of the CUDA backend: quantized weights (MLX affine, 2/4/8-bit codes,
+ * groups of 64 or 128) times activations held as 16-bit fixed point per group, on the integer
+ * tensor cores (mma.sync m16n8k32, u8 x s8 -> s32). Interface: cuda_kernels.h ("fixed-point
+ * linear").
+ *
+ * Arithmetic (MODEL.md §2 with the activation rounding below). For a data row x' (after the
+ * optional SwiGLU, RMSNorm and Hadamard rotation, all float32) and each group G of gs columns:
+ *     mx = max |x'_i| over G;  E = exponent of mx (mx < 2^E') minus 14;  X_i = rint(x'_i / 2^E)
+ * so |X_i| <= 2^14 and |x'_i − X_i·2^E| <= 2^(E−1) <= 2^−14 · mx. X_i = 256·a_i + b_i with
+ * a_i in [−64, 64] and b_i in [−128, 127] (two int8 planes). The group's dot product with the
+ * codes q_i is then an exact integer, D = 256·Σ q_i a_i + Σ q_i b_i (the tensor cores sum
+ * integers exactly, in any order), and the row's output is
+ *     y_r = Σ_G [ s_rG · (float(D_rG) · 2^E_G) + b_rG · (float(S_G) · 2^E_G) ],  S_G = Σ_i X_i,
+ * with the float operations in exactly this order and the groups summed in a fixed order
+ * (K-slices fixed by the weight's shape, see cuda_backend.c). Every quantity a row's output
+ * depends on is computed from that row alone: the result is the same bits for any number of
+ * rows M and any work split (backend.h exactness contract). Compared with float32 x', the
+ * rounding of x' changes y by at most Σ_G (|s_rG|·Σ_i q_i + |b_rG|·gs) · 2^(E_G−1).
+ *
+ * Compiled with --fmad=false (no FMA contraction), like cuda_kernels.cu.
+ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_rowops.cuh"
+
+#define QFULL 0xffffffffu
+
+static __device__ __forceinline__ float q_h16(uint32_t h, int bf16) {
+    if (bf16) return __uint_as_float((h & 0xffffu) << 16);
+    return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
+}
+
+
+/* Programmatic dependent launch: wait for the previous kernel of the stream (its writes
+ * visible), and let the next one be scheduled. No-ops when the launch had no PDL attribute.
+ * With PDL, kernels of the stream overlap on an SM, and the SM's L1 cache is not coherent: a
+ * line an older kernel cached (before a newer one rewrote the data) could be hit. So every
+ * load of data that an earlier kernel wrote goes through L2 only (__ldcg); only weights
+ * (never written after upload) use the read-only path. */
+static __device__ __forceinline__ void pdl_wait(void) { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+static __device__ __forceinline__ void pdl_trigger(void) { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+
+static int g_pdl = 1;
+extern "C" void dfk_set_pdl(int on) { g_pdl = on ? 1 : 0; }
+
+/* Launches kernel<<<grid, block, smem>>> on the backend stream, with the programmatic
+ * stream serialization attribute when PDL is on (the kernels below call pdl_wait before they
+ * read anything an earlier kernel wrote). */
+template <typename... KArgs, typename... Args>
+static int launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = (cudaStream_t)dfk_get_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = g_pdl ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (e != cudaSuccess) return (int)e;
+    return (int)cudaGetLastError();
+}
+
+/* ---- weight repacking -------------------------------------------------------------------------
+ *
+ * Layout: per (16-row tile, group, lane (g, t)) WPL = (gs/32)·bits/2 words, stored as NVEC
+ * vectors of VEC words: word index (((tile·ng + group)·NVEC + v)·32 + lane)·VEC + e holds lane
+ * word wi = v·VEC + e. With RPW = 8/bits A registers per word, word wi covers k-block
+ * kb = wi / (4/RPW) and registers j = (wi % (4/RPW))·RPW + q (q < RPW) at bit offset bits·q;
+ * byte i of register j is at bits 8i + bits·q. Register j of lane (g, t) in k-block kb is the
+ * m16n8k32 A fragment: row g + 8·(j & 1), columns 4t + i + 16·(j >> 1) of the 32-column block.
+ * Scales and biases: one word (scale | bias << 16) per (tile, group, row), rows g and g + 8
+ * adjacent: index ((tile·ng + group)·8 + g)·2 + half. */
+
+__global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__restrict__ scales,
+                           const uint16_t *__restrict__ biases, int rows, int cols, int bits, int gs, int tiles,
+                           uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
+    const int ng = cols / gs, kbg = gs / 32, wpl = kbg * bits / 2, vec = wpl < 4 ? wpl : 4, nvec = wpl / vec;
+    const int rpw = 8 / bits;
+    const size_t nwords = (size_t)tiles * (size_t)ng * 32 * (size_t)wpl;
+    const size_t wpr = (size_t)cols * (size_t)bits / 32;
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < nwords) {
+        size_t r = idx;
+        const int e = (int)(r % (size_t)vec);
+        r /= (size_t)vec;
+        const int lane = (int)(r % 32);
+        r /= 32;
+        const int v = (int)(r % (size_t)nvec);
+        r /= (size_t)nvec;
+        const int group = (int)(r % (size_t)ng);
+        const int tile = (int)(r / (size_t)ng);
+        const int wi = v * vec + e, kb = wi / (4 / rpw), jw = wi % (4 / rpw);
+        const int g = lane >> 2, t = lane & 3;
+        uint32_t out = 0;
+        for (int q = 0; q < rpw; q++) {
+            const int j = jw * rpw + q;
+            const int row = tile * 16 + g + 8 * (j & 1);
+            if (row >= rows) continue;
+            for (int i = 0; i < 4; i++) {
+                const int col = group * gs + kb * 32 + 4 * t + i + 16 * (j >> 1);
+                const size_t bit = (size_t)col * (size_t)bits;
+                const uint32_t c = (raw[(size_t)row * wpr + bit / 32] >> (bit % 32)) & ((1u << bits) - 1u);
+                out |= c << (8 * i + bits * q);
+            }
+        }
+        codes[idx] = out;
+    }
+    const size_t nsb = (size_t)tiles * (size_t)ng * 16;
+    if (idx < nsb) {
+        const int half = (int)(idx % 2), g = (int)((idx / 2) % 8);
+        const size_t tg = idx / 16;
+        const int group = (int)(tg % (size_t)ng), tile = (int)(tg / (size_t)ng);
+        const int row = tile * 16 + g + 8 * half;
+        uint32_t o = 0;
+        if (row < rows) {
+            const size_t k = (size_t)row * (size_t)ng + (size_t)group;
+            o = (uint32_t)scales[k] | ((uint32_t)biases[k] << 16);
+        }
+        sb[idx] = o;
+    }
+}
+
+extern "C" size_t dfk_q_code_words(int rows, int cols, int bits, int gs) {
+    return (size_t)((rows + 15) / 16) * (size_t)(cols / gs) * 32 * (size_t)(gs / 32 * bits / 2);
+}
+
+extern "C" int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols,
+                            int bits, int gs, uint32_t *codes, uint32_t *sb) {
+    if ((bits != 2 && bits != 4 && bits != 8) || (gs != 64 && gs != 128) || cols % gs != 0)
+        return (int)cudaErrorInvalidValue;
+    const int tiles = (rows + 15) / 16, ng = cols / gs;
+    const size_t nwords = dfk_q_code_words(rows, cols, bits, gs), nsb = (size_t)tiles * (size_t)ng * 16;
+    const size_t n = nwords > nsb ? nwords : nsb;
+    k_repack_q<<<(unsigned)((n + 255) / 256), 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, codes, sb);
+    return (int)cudaGetLastError();
+}
+
+/* ---- activation preparation ------------------------------------------------------------------ */
+
+struct qprep_args {
+    dfk_qout o[DFK_QMAX];
+};
+
+/* Quantizes one group slice: this lane holds elements 4li..4li+3 (v) of group G (lanes of a
+ * group: lpg = gs/4 consecutive lanes); ok = 0 for lanes without data (zeros, no writes). Writes
+ * the two planes into xq (B-fragment order) and 2^E, S·2^E (file comment). Every lane of the
+ * warp must call it (shuffles). */
+static __device__ __forceinline__ void q_group(const dfk_qout &O, int m, int ng, int G, int li, bool ok,
+                                               const float *v) {
+    const int lpg = O.gs / 4, kbg = O.gs / 32;
+    int bad = 0;
+    float mx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (!isfinite(v[j])) bad = 1;
+        mx = fmaxf(mx, fabsf(v[j]));
+    }
+    for (int off = lpg / 2; off > 0; off >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(QFULL, mx, off));
+        bad |= __shfl_xor_sync(QFULL, bad, off);
+    }
+    int E = 0;
+    if (!bad && mx > 0.0f) {
+        int ex;
+        frexpf(mx, &ex);
+        E = ex - 14;
+    }
+    int S = 0;
+    uint32_t pa = 0, pb = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int X = bad ? 0 : __float2int_rn(ldexpf(v[j], -E));
+        const int a = (X + 128) >> 8, b = X - a * 256;
+        S += X;
+        pa |= ((uint32_t)a & 0xffu) << (8 * j);
+        pb |= ((uint32_t)b & 0xffu) << (8 * j);
+    }
+    for (int off = lpg / 2; off > 0; off >>= 1) S += __shfl_xor_sync(QFULL, S, off);
+    if (ok) {
+        const int l8 = li % 8, kb = li / 8, t = l8 % 4, reg = l8 / 4;
+        for (int p = 0; p < 2; p++) {
+            const size_t u2 =
+                ((((size_t)(m * 2 + p) * (size_t)ng + (size_t)G) * 4 + (size_t)t) * (size_t)kbg + (size_t)kb);
+            O.xq[u2 * 2 + (size_t)reg] = p == 0 ? pa : pb;
+        }
+        if (li == 0) {
+            O.xe[(size_t)m * (size_t)ng + (size_t)G] = bad ? __int_as_float(0x7fc00000) : ldexpf(1.0f, E);
+            O.xsx[(size_t)m * (size_t)ng + (size_t)G] = bad ? __int_as_float(0x7fc00000) : ldexpf((float)S, E);
+        }
+    }
+}
+
+/* Block (m, segment, output o): loads x' = x (or silu(x)·up) for its segment, applies the
+ * RMSNorm (whole row: one segment) and writes h when asked (output 0 only), then output o's
+ * rotation and the group quantization of the file comment. */
+__global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
+                                               const float *__restrict__ norm_w, float eps, int cols, int seg,
+                                               float *h, const __grid_constant__ qprep_args P) {
+    extern __shared__ float sm[];
+    __shared__ float red[8];
+    pdl_trigger();
+    pdl_wait();
+    const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z, tid = threadIdx.x;
+    const float *xr = x + (size_t)m * (size_t)cols;
+    const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
+    /* every block of the row computes the row's sum of squares itself, in the order of
+     * dfk_row_sumsq (the unfused rmsnorm's too): the same bits in all of them */
+    const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
+    for (int i0 = 0; i0 < seg; i0 += 4 * 256) {
+        float v[4], u[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = i0 + j * 256 + tid;
+            v[j] = i < seg ? __ldcg(&xr[s0 + i]) : 0.0f;
+            u[j] = (ur && i < seg) ? __ldcg(&ur[s0 + i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = i0 + j * 256 + tid;
+            if (i < seg) {
+                const float w = ur ? dfk_silu(v[j]) * u[j] : v[j];
+                sm[i] = norm_w ? (w * inv) * norm_w[s0 + i] : w;
+            }
+        }
+    }
+    if (h && oi == 0) {
+        float *hr = h + (size_t)m * (size_t)cols + s0;
+        for (int i = tid; i < seg; i += 256) hr[i] = sm[i];
+    }
+    const dfk_qout &O = P.o[oi];
+    if (!O.xq) return;
+    if (O.hb > 0) {
+        for (int i = tid; i < seg; i += 256) sm[i] = sm[i] * O.signs[s0 + i];
+        __syncthreads();
+        for (int hh = 1; hh < O.hb; hh <<= 1) {
+            for (int p = tid; p < seg / 2; p += 256) {
+                const int i = ((p & ~(hh - 1)) << 1) | (p & (hh - 1));
+                const float a = sm[i], b = sm[i + hh];
+                sm[i] = a + b;
+                sm[i + hh] = a - b;
+            }
+            __syncthreads();
+        }
+        for (int i = tid; i < seg; i += 256) sm[i] = sm[i] * O.hscale;
+    }
+    __syncthreads();
+    const int gs = O.gs, lpg = gs / 4, gpw = 32 / lpg;
+    const int nsg = seg / gs, ng = cols / gs, g0 = s0 / gs;
+    const int lane = tid & 31, warp = tid >> 5;
+    for (int base = warp * gpw; base < nsg; base += 8 * gpw) {
+        const int gl = base + lane / lpg, li = lane % lpg;
+        const bool ok = gl < nsg;
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = ok ? sm[gl * gs + 4 * li + j] : 0.0f;
+        q_group(O, m, ng, g0 + gl, li, ok, v);
+    }
+}
+
+/* The same for seg <= 1024 with the segment in registers: thread tid holds elements
+ * 4tid..4tid+3; the Hadamard butterflies run in registers (distance 1, 2), across lanes
+ * (4..64) and through shared memory (128..512), each pair (a, b) -> (a + b, a − b) at each
+ * distance in the order of df_hadamard_inplace, so the values are those of the general kernel. */
+__global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float *up, const float *norm_w, float eps,
+                                                    int cols, int seg, float *h, const __grid_constant__ qprep_args P) {
+    __shared__ float red[8];
+    __shared__ float xs[1024];
+    pdl_trigger();
+    pdl_wait();
+    const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z, tid = threadIdx.x;
+    const int lane = tid & 31;
+    const float *xr = x + (size_t)m * (size_t)cols;
+    const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
+    const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
+    const bool act = 4 * tid < seg;
+    const int e0 = s0 + 4 * tid;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (act) {
+        const float4 xv = __ldcg(reinterpret_cast<const float4 *>(xr + e0));
+        v[0] = xv.x;
+        v[1] = xv.y;
+        v[2] = xv.z;
+        v[3] = xv.w;
+        if (ur) {
+            const float4 uv = __ldcg(reinterpret_cast<const float4 *>(ur + e0));
+            v[0] = dfk_silu(v[0]) * uv.x;
+            v[1] = dfk_silu(v[1]) * uv.y;
+            v[2] = dfk_silu(v[2]) * uv.z;
+            v[3] = dfk_silu(v[3]) * uv.w;
+        }
+        if (norm_w) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = (v[j] * inv) * norm_w[e0 + j];
+        }
+        if (h && oi == 0) *reinterpret_cast<float4 *>(h + (size_t)m * (size_t)cols + e0) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    const dfk_qout &O = P.o[oi];
+    if (!O.xq) return;
+    const int hb = O.hb;
+    if (hb > 0) {
+        if (act) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = v[j] * O.signs[e0 + j];
+        }
+        if (hb >= 2) {
+            float a = v[0], b = v[1];
+            v[0] = a + b;
+            v[1] = a - b;
+            a = v[2];
+            b = v[3];
+            v[2] = a + b;
+            v[3] = a - b;
+        }
+        if (hb >= 4) {
+            float a = v[0], b = v[2];
+            v[0] = a + b;
+            v[2] = a - b;
+            a = v[1];
+            b = v[3];
+            v[1] = a + b;
+            v[3] = a - b;
+        }
+        for (int hh = 8; hh <= hb && hh <= 128; hh <<= 1) { /* distance hh/2: lanes differ by hh/8 */
+            const int lm = hh >> 3;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float o = __shfl_xor_sync(QFULL, v[j], lm);
+                v[j] = (lane & lm) ? (o - v[j]) : (v[j] + o);
+            }
+        }
+        for (int hh = 256; hh <= hb; hh <<= 1) { /* distance hh/2: threads differ by hh/8 (other warps) */
+            const int tm = hh >> 3;
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 4; j++) xs[4 * tid + j] = v[j];
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float o = xs[4 * (tid ^ tm) + j];
+                v[j] = (tid & tm) ? (o - v[j]) : (v[j] + o);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = v[j] * O.hscale;
+    }
+    const int lpg = O.gs / 4;
+    q_group(O, m, cols / O.gs, (s0 + 4 * tid) / O.gs, tid % lpg, act, v);
+}
+
+extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,
+                         float *h, int n, const dfk_qout *outs) {
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || seg <= 0 || cols % seg != 0 || seg > DFK_QPREP_MAX_SEG)
+        return (int)cudaErrorInvalidValue;
+    qprep_args P;
+    for (int i = 0; i < DFK_QMAX; i++) P.o[i] = i < n ? outs[i] : dfk_qout{};
+    const size_t smem = (size_t)seg * sizeof(float);
+    static size_t smem_set = 0;
+    if (smem > 48 * 1024 && smem_set == 0) {
+        cudaFuncSetAttribute(k_qprep, cudaFuncAttributeMaxDynamicSharedMemorySize, DFK_QPREP_MAX_SEG * 4);
+        smem_set = 1;
+    }
+    const dim3 grid((unsigned)M, (unsigned)(cols / seg), (unsigned)n);
+    if (seg <= 1024 && seg % 4 == 0 && cols % 4 == 0)
+        return launch_pdl(k_qprep_fast, grid, dim3(256), 0, x, up, norm_w, eps, cols, seg, h, P);
+    return launch_pdl(k_qprep, grid, dim3(256), smem, x, up, norm_w, eps, cols, seg, h, P);
+}
+
+/* ---- the linear --------------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ void imma(int *d, const uint32_t *a, const uint32_t *b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* Compile-time shape: BITS-bit codes in groups of GS, NT n-tiles (4 data rows each: columns
+ * 2m', 2m'+1 = the high and low planes of row m'), TR 16-row tiles per warp, GP groups whose
+ * code loads are issued together. */
+template <int BITS, int GS, int NT, int TR>
+struct qcfg {
+    static constexpr int KBG = GS / 32;
+    static constexpr int WPL = KBG * BITS / 2;
+    static constexpr int VEC = WPL < 4 ? WPL : 4;
+    static constexpr int NVEC = WPL / VEC;
+    static constexpr int RPW = 8 / BITS;
+    static constexpr int GP0 = 32 / (TR * WPL);
+    static constexpr int GP = GP0 < 1 ? 1 : (GP0 > 8 ? 8 : GP0);
+    static constexpr uint32_t MASK = BITS == 8 ? 0xffffffffu : ((1u << BITS) - 1u) * 0x01010101u;
+};
+
+struct qlaunch {
+    dfk_qlin d[DFK_QMAX];
+    int start[DFK_QMAX + 1];
+    int n, M, sb_bf16;
+};
+
+template <int VEC>
+static __device__ __forceinline__ void q_load_words(const uint32_t *p, uint32_t *w) {
+    if (VEC == 4) {
+        const uint4 q = __ldcs(reinterpret_cast<const uint4 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+        w[VEC > 2 ? 2 : 0] = q.z;
+        w[VEC > 3 ? 3 : 0] = q.w;
+    } else if (VEC == 2) {
+        const uint2 q = __ldcs(reinterpret_cast<const uint2 *>(p));
+        w[0] = q.x;
+        w[VEC > 1 ? 1 : 0] = q.y;
+    } else {
+        w[0] = __ldcs(p);
+    }
+}
+
+/* The B fragments of one group for n-tile nt (lane (g, t): data row 4nt + g/2, plane g % 2,
+ * k-block kb: registers {k = 4t..4t+3, 4t+16..4t+19}) and the row's group scale and sum
+ * (lane t: data row 4nt + t), from global memory (through L2) or from the CTA's shared copy
+ * (SM). Zeros for rows >= M. */
+template <int KBG, bool SM>
+static __device__ __forceinline__ void q_load_b(const uint32_t *xq, const float *xe_p, const float *xs_p, int M, int ng,
+                                                int grp, int nt, int g, int t, uint32_t (*bq)[2], float &xe,
+                                                float &xs) {
+    const int m = 4 * nt + (g >> 1), p = g & 1;
+    if (m < M) {
+        const size_t u2 = (((size_t)(m * 2 + p) * (size_t)ng + (size_t)grp) * 4 + (size_t)t) * (size_t)KBG;
+        const uint4 *src = reinterpret_cast<const uint4 *>(xq) + u2 / 2;
+#pragma unroll
+        for (int k = 0; k < KBG / 2; k++) {
+            const uint4 v = SM ? src[k] : __ldcg(src + k);
+            bq[2 * k][0] = v.x;
+            bq[2 * k][1] = v.y;
+            bq[2 * k + 1][0] = v.z;
+            bq[2 * k + 1][1] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < KBG; k++) bq[k][0] = bq[k][1] = 0u;
+    }
+    const int mt = 4 * nt + t;
+    const size_t i = (size_t)mt * (size_t)ng + (size_t)grp;
+    xe = mt < M ? (SM ? xe_p[i] : __ldcg(&xe_p[i])) : 0.0f;
+    xs = mt < M ? (SM ? xs_p[i] : __ldcg(&xs_p[i])) : 0.0f;
+}
+
+/* Bytes of the shared copy of a prepared input (SMB instances): the planes of M rows, then
+ * 2^E and S·2^E per (row, group). */
+static __host__ __device__ __forceinline__ size_t q_smem_bytes(int M, int cols, int gs) {
+    return (size_t)M * 2 * (size_t)cols + (size_t)M * (size_t)(cols / gs) * 8;
+}
+
+/* L2 prefetch of the code and scale lines of one warp's share of a unit (tiles tile0.. of
+ * linear L, groups kw, kw + KW, ...): 128-byte lines, spread over the lanes. */
+template <int WPL, int TR>
+static __device__ __forceinline__ void q_prefetch_unit(const dfk_qlin &L, int tile0, int tiles, int ng, int kw, int KW,
+                                                       int lane) {
+    constexpr int LINES = WPL; /* WPL words x 32 lanes x 4 bytes = WPL lines of 128 bytes per (tile, group) */
+    const int ngw = (ng - kw + KW - 1) / KW;
+    const int n = TR * ngw * (LINES + 1);
+    for (int i = lane; i < n; i += 32) {
+        const int tr = i / (ngw * (LINES + 1)), r = i % (ngw * (LINES + 1));
+        const int gi = r / (LINES + 1), ln = r % (LINES + 1);
+        if (tile0 + tr >= tiles) continue;
+        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)(kw + gi * KW);
+        const void *ptr = ln < LINES ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
+                                     : (const void *)(L.sb + tg * 16);
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+    }
+}
+
+/* The code words and scale/bias words of GP groups (gbase, gbase + KW, ...) for TR tiles,
+ * all loads issued before any is used (zeros outside the weight). */
+template <int GP, int TR, int WPL, int VEC, int NVEC>
+static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0, const bool *tvalid, int ng,
+                                                    int gbase, int KW, int lane, int g, uint32_t (*wr)[TR][WPL],
+                                                    uint2 (*sbv)[TR]) {
+#pragma unroll
+    for (int gi = 0; gi < GP; gi++) {
+        const int grp = gbase + gi * KW;
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++) {
+            if (grp < ng && tvalid[tr]) {
+                const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+#pragma unroll
+                for (int v = 0; v < NVEC; v++)
+                    q_load_words<VEC>(L.codes + ((tg * NVEC + (size_t)v) * 32 + (size_t)lane) * VEC,
+                                      &wr[gi][tr][v * VEC]);
+                sbv[gi][tr] = __ldg(reinterpret_cast<const uint2 *>(L.sb + (tg * 8 + (size_t)g) * 2));
+            } else {
+#pragma unroll
+                for (int w = 0; w < WPL; w++) wr[gi][tr][w] = 0u;
+                sbv[gi][tr] = make_uint2(0u, 0u);
+            }
+        }
+    }
+}
+
+/* Work unit u of a launch: linear di = the last with ustart[di] <= u, its tiles
+ * (u − ustart[di])·RW·TR + rw·TR ... . */
+static __device__ __forceinline__ int q_unit_lin(const qlaunch &P, int u) {
+    int di = 0;
+    while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+    return di;
+}
+
+/* A persistent grid: CTA c takes the units [c·U/G, (c+1)·U/G) in order. A unit = 8 warps =
+ * RW row-warps x KW K-slices of one linear of the launch (units start[i] .. start[i+1]−1 belong
+ * to linear i). Warp (rw, kw) handles TR tiles and the groups kw, kw + KW, ... in order; the KW
+ * partial sums are added in order kw = 0..KW−1. While a unit runs, the lines of the CTA's next
+ * unit are prefetched into L2. Which CTA computes a unit never changes its arithmetic. */
+template <int BITS, int GS, int NT, int TR, int MINB, bool SMB>
+__global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qlaunch P) {
+    typedef qcfg<BITS, GS, NT, TR> C;
+    constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, RPW = C::RPW, GP = C::GP;
+    __shared__ float red[8][TR * NT * 2][32];
+    extern __shared__ __align__(16) unsigned char qsm[];
+    pdl_trigger();
+    const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
+    const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int M = P.M, sb_bf16 = P.sb_bf16;
+    /* the first unit's first batch of codes, loaded before waiting for the previous kernel
+     * (weights do not depend on it): the DRAM latency overlaps the wait and the staging */
+    uint32_t wr[GP][TR][WPL];
+    uint2 sbv[GP][TR];
+    bool preloaded = false;
+    if (u_begin < u_end) {
+        const int di = q_unit_lin(P, u_begin);
+        const dfk_qlin &L = P.d[di];
+        const int KW = L.KW, RW = 8 / KW, ng = L.cols / GS, tiles = (L.rows + 15) / 16;
+        const int tile0 = ((u_begin - P.start[di]) * RW + warp / KW) * TR;
+        bool tv[TR];
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++) tv[tr] = tile0 + tr < tiles;
+        q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tv, ng, warp % KW, KW, lane, g, wr, sbv);
+        preloaded = true;
+    }
+    pdl_wait();
+    int staged = -1;
+    for (int u = u_begin; u < u_end; u++) {
+        const int di = q_unit_lin(P, u);
+        const dfk_qlin &L = P.d[di];
+        const int KW = L.KW, kw = warp % KW, rw = warp / KW, RW = 8 / KW;
+        const int rows = L.rows, tiles = (rows + 15) / 16, ng = L.cols / GS;
+        const int tile0 = ((u - P.start[di]) * RW + rw) * TR;
+        if (u + 1 < u_end) {
+            const int dn = q_unit_lin(P, u + 1);
+            const dfk_qlin &Ln = P.d[dn];
+            const int KWn = Ln.KW, RWn = 8 / KWn;
+            q_prefetch_unit<WPL, TR>(Ln, ((u + 1 - P.start[dn]) * RWn + warp / KWn) * TR, (Ln.rows + 15) / 16,
+                                     Ln.cols / GS, warp % KWn, KWn, lane);
+        }
+        bool tvalid[TR];
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++) tvalid[tr] = tile0 + tr < tiles;
+        const uint32_t *bxq = L.xq;
+        const float *bxe = L.xe, *bxs = L.xsx;
+        if constexpr (SMB) { /* the prepared input of linear di in shared memory (once per linear) */
+            const size_t nq = (size_t)M * 2 * (size_t)L.cols / 16, ne = (size_t)M * (size_t)ng;
+            float *se = reinterpret_cast<float *>(qsm + nq * 16);
+            if (staged != di) {
+                __syncthreads(); /* the previous linear's copy may still be read */
+                const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
+                uint4 *sq = reinterpret_cast<uint4 *>(qsm);
+                for (size_t i = threadIdx.x; i < nq; i += 256) sq[i] = __ldcg(gq + i);
+                for (size_t i = threadIdx.x; i < ne; i += 256) {
+                    se[i] = __ldcg(L.xe + i);
+                    se[ne + i] = __ldcg(L.xsx + i);
+                }
+                __syncthreads();
+                staged = di;
+            }
+            bxq = reinterpret_cast<const uint32_t *>(qsm);
+            bxe = se;
+            bxs = se + ne;
+        }
+
+        float yv[TR][NT][2];
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) yv[tr][nt][0] = yv[tr][nt][1] = 0.0f;
+
+        for (int gbase = kw; gbase < ng; gbase += KW * GP) {
+            /* the code and scale loads of GP groups at once */
+            if (!preloaded) q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tvalid, ng, gbase, KW, lane, g, wr, sbv);
+            preloaded = false;
+            /* B fragments: from shared memory (SMB) or from L2, group gi+1's loaded before
+             * group gi's MMAs */
+            uint32_t bq[2][NT][KBG][2];
+            float xe[2][NT], xs[2][NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                q_load_b<KBG, SMB>(bxq, bxe, bxs, M, ng, gbase, nt, g, t, bq[0][nt], xe[0][nt], xs[0][nt]);
+#pragma unroll
+            for (int gi = 0; gi < GP; gi++) {
+                const int grp = gbase + gi * KW;
+                if (grp >= ng) break;
+                if (gi + 1 < GP && grp + KW < ng) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        q_load_b<KBG, SMB>(bxq, bxe, bxs, M, ng, grp + KW, nt, g, t, bq[(gi + 1) & 1][nt],
+                                           xe[(gi + 1) & 1][nt], xs[(gi + 1) & 1][nt]);
+                }
+                int D[TR][NT][4];
+#pragma unroll
+                for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) D[tr][nt][0] = D[tr][nt][1] = D[tr][nt][2] = D[tr][nt][3] = 0;
+#pragma unroll
+                for (int kb = 0; kb < KBG; kb++)
+#pragma unroll
+                    for (int tr = 0; tr < TR; tr++) {
+                        uint32_t a[4];
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            const int wi = kb * (4 / RPW) + j / RPW;
+                            a[j] = (wr[gi][tr][wi] >> (BITS * (j % RPW))) & C::MASK;
+                        }
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) imma(D[tr][nt], a, bq[gi & 1][nt][kb]);
+                    }
+                /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the
+                 * planes combine exactly: D = 256·high + low */
+#pragma unroll
+                for (int tr = 0; tr < TR; tr++) {
+                    const float s0 = q_h16(sbv[gi][tr].x, sb_bf16), b0 = q_h16(sbv[gi][tr].x >> 16, sb_bf16);
+                    const float s1 = q_h16(sbv[gi][tr].y, sb_bf16), b1 = q_h16(sbv[gi][tr].y >> 16, sb_bf16);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const int d0 = D[tr][nt][0] * 256 + D[tr][nt][1], d1 = D[tr][nt][2] * 256 + D[tr][nt][3];
+                        const float e = xe[gi & 1][nt], sx = xs[gi & 1][nt];
+                        yv[tr][nt][0] = yv[tr][nt][0] + (s0 * ((float)d0 * e) + b0 * sx);
+                        yv[tr][nt][1] = yv[tr][nt][1] + (s1 * ((float)d1 * e) + b1 * sx);
+                    }
+                }
+            }
+        }
+        preloaded = false; /* (a warp without groups in this unit never used its preload) */
+        if (KW > 1) {
+            __syncthreads(); /* red may still be read by the previous unit */
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
+                    red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
+                }
+            __syncthreads();
+            if (kw == 0) {
+#pragma unroll
+                for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
+                        for (int k = 1; k < KW; k++) {
+                            a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
+                            a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
+                        }
+                        yv[tr][nt][0] = a0;
+                        yv[tr][nt][1] = a1;
+                    }
+            }
+        }
+        if (kw == 0) {
+            float *y = L.y;
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++) {
+                if (!tvalid[tr]) continue;
+                const int r0 = (tile0 + tr) * 16 + g, r1 = r0 + 8;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const int m = 4 * nt + t;
+                    if (m >= M) continue;
+                    float *yr = y + (size_t)m * (size_t)rows;
+                    if (r0 < rows) yr[r0] = L.add ? __ldcg(&yr[r0]) + yv[tr][nt][0] : yv[tr][nt][0];
+                    if (r1 < rows) yr[r1] = L.add ? __ldcg(&yr[r1]) + yv[tr][nt][1] : yv[tr][nt][1];
+                }
+            }
+        }
+    }
+}
+
+template <int BITS, int GS, int NT, int TR>
+static int launch_q(const qlaunch &P, unsigned blocks);
+
+static int g_qsmem = 1;
+extern "C" void dfk_set_qsmem(int on) { g_qsmem = on ? 1 : 0; }
+
+/* Shared copies of the prepared input up to this size (two CTAs per SM still fit). */
+#define Q_SMEM_MAX (100 * 1024)
+
+static int g_q_sms = 132, g_q_persist = 0;
+extern "C" void dfk_set_q_sm_count(int n) { g_q_sms = n > 0 ? n : 132; }
+extern "C" void dfk_set_q_persistent(int on) { g_q_persist = on ? 1 : 0; }
+
+/* `units` work units: one CTA each (default), or a persistent grid of MINB CTAs per SM
+ * (dfk_set_q_persistent; measured slower on the H200). */
+template <int BITS, int GS, int NT, int TR>
+static int launch_q(const qlaunch &P, unsigned units) {
+    constexpr int MINB = NT <= 2 ? 2 : 1;
+    const unsigned cap = (unsigned)(g_q_sms * MINB);
+    const unsigned blocks = (g_q_persist && units > cap) ? cap : units;
+    if constexpr (NT <= 2) {
+        size_t smem = 0;
+        for (int i = 0; i < P.n; i++) {
+            const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
+            if (b > smem) smem = b;
+        }
+        if (g_qsmem && smem <= Q_SMEM_MAX) {
+            static bool attr = false;
+            if (!attr) {
+                cudaFuncSetAttribute(k_lin_q<BITS, GS, NT, TR, MINB, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Q_SMEM_MAX);
+                attr = true;
+            }
+            return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, true>, dim3(blocks), dim3(256), smem, P);
+        }
+    }
+    return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, false>, dim3(blocks), dim3(256), 0, P);
+}
+
+template <int BITS, int GS, int NT>
+static int launch_q_tr(const qlaunch &P, unsigned blocks, int TR) {
+    if constexpr (NT == 1) {
+        if (TR >= 4) return launch_q<BITS, GS, NT, 4>(P, blocks);
+    }
+    if constexpr (NT <= 2) {
+        if (TR >= 2) return launch_q<BITS, GS, NT, 2>(P, blocks);
+    }
+    return launch_q<BITS, GS, NT, 1>(P, blocks);
+}
+
+template <int BITS, int GS>
+static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
+    switch ((P.M + 3) / 4) {
+    case 1: return launch_q_tr<BITS, GS, 1>(P, blocks, TR);
+    case 2: return launch_q_tr<BITS, GS, 2>(P, blocks, TR);
+    case 3: return launch_q_tr<BITS, GS, 3>(P, blocks, TR);
+    default: return launch_q_tr<BITS, GS, 4>(P, blocks, TR);
+    }
+}
+
+extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
+
+extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, int TR, int n, const dfk_qlin *lins) {
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1) return (int)cudaErrorInvalidValue;
+    if (TR > dfk_linear_q_max_tr(M)) TR = dfk_linear_q_max_tr(M);
+    qlaunch P = {};
+    P.n = n;
+    P.M = M;
+    P.sb_bf16 = sb_bf16;
+    int blocks = 0;
+    for (int i = 0; i < n; i++) {
+        const int KW = lins[i].KW;
+        if (KW != 1 && KW != 2 && KW != 4 && KW != 8) return (int)cudaErrorInvalidValue;
+        P.d[i] = lins[i];
+        P.start[i] = blocks;
+        const int tiles = (lins[i].rows + 15) / 16, per = (8 / KW) * TR;
+        blocks += (tiles + per - 1) / per;
+    }
+    P.start[n] = blocks;
+    const unsigned nb = (unsigned)blocks;
+    switch (bits * 1000 + gs) {
+    case 2128: return launch_q_nt<2, 128>(P, nb, TR);
+    case 2064: return launch_q_nt<2, 64>(P, nb, TR);
+    case 4128: return launch_q_nt<4, 128>(P, nb, TR);
+    case 4064: return launch_q_nt<4, 64>(P, nb, TR);
+    case 8128: return launch_q_nt<8, 128>(P, nb, TR);
+    case 8064: return launch_q_nt<8, 64>(P, nb, TR);
+    default: return (int)cudaErrorInvalidValue;
+    }
+}
+
+/* ---- dense 16-bit linears on CUDA cores ------------------------------------------------------- */
+
+struct dlaunch {
+    dfk_dlin d[DFK_QMAX];
+    int start[DFK_QMAX + 1];
+    int n, M;
+};
+
+/* One block (256 threads) per output row of one linear of the launch. Thread tid takes the
+ * 8-column chunks c = tid, tid + 256, ... in order, each column in order; then per data row
+ * an xor butterfly per warp and the 8 warp sums in order. */
+__global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaunch P) {
+    __shared__ float red[DFK_MAX_ROWS][8];
+    pdl_trigger();
+    int di = 0;
+    while (di + 1 < P.n && (int)blockIdx.x >= P.start[di + 1]) di++;
+    const dfk_dlin &L = P.d[di];
+    const int row = (int)blockIdx.x - P.start[di], tid = threadIdx.x, M = P.M, cols = L.cols;
+    const uint16_t *wr = (const uint16_t *)L.w + (size_t)row * (size_t)cols;
+    const int nch = cols / 8;
+    float acc[DFK_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
+    uint4 wq[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int c = tid + u * 256;
+        wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_wait();
+    for (int c0 = 0; c0 < nch; c0 += 512) {
+        uint4 cur[2] = {wq[0], wq[1]};
+        if (c0 + 512 < nch) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = c0 + 512 + tid + u * 256;
+                wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int c = c0 + tid + u * 256;
+            if (c >= nch) continue;
+            const uint32_t ws[4] = {cur[u].x, cur[u].y, cur[u].z, cur[u].w};
+            float w[8];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                w[2 * k] = q_h16(ws[k], L.wdtype == 1);
+                w[2 * k + 1] = q_h16(ws[k] >> 16, L.wdtype == 1);
+            }
+#pragma unroll
+            for (int m = 0; m < DFK_MAX_ROWS; m++) {
+                if (m >= M) break;
+                const float4 *xp = reinterpret_cast<const float4 *>(L.x + (size_t)m * (size_t)cols) + 2 * c;
+                const float4 xa = __ldcg(xp), xb = __ldcg(xp + 1);
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[m] = acc[m] + w[k] * xv[k];
+            }
+        }
+    }
+    const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++) {
+        if (m >= M) break;
+        float v = acc[m];
+        for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(QFULL, v, off);
+        if (lane == 0) red[m][warp] = v;
+    }
+    __syncthreads();
+    if (tid < M) {
+        float s = red[tid][0];
+        for (int k = 1; k < 8; k++) s = s + red[tid][k];
+        float *yp = L.y + (size_t)tid * (size_t)L.rows + (size_t)row;
+        *yp = L.add ? __ldcg(yp) + s : s;
+    }
+}
+
+extern "C" int dfk_linear_dense(int M, int n, const dfk_dlin *lins) {
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX) return (int)cudaErrorInvalidValue;
+    dlaunch P = {};
+    P.n = n;
+    P.M = M;
+    int blocks = 0;
+    for (int i = 0; i < n; i++) {
+        if (lins[i].cols % 8 != 0 || (lins[i].wdtype != 0 && lins[i].wdtype != 1)) return (int)cudaErrorInvalidValue;
+        P.d[i] = lins[i];
+        P.start[i] = blocks;
+        blocks += lins[i].rows;
+    }
+    P.start[n] = blocks;
+    return launch_pdl(k_lin_dense, dim3((unsigned)blocks), dim3(256), 0, P);
+}

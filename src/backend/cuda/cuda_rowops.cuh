@@ -1,0 +1,50 @@
+/* Device helpers shared by cuda_kernels.cu and cuda_qlin.cu, so that the unfused RMSNorm and
+ * the norm fused into the linears' input preparation compute the same bits. */
+#ifndef DFLASH_CUDA_ROWOPS_CUH
+#define DFLASH_CUDA_ROWOPS_CUH
+
+#include <cuda_runtime.h>
+#include <math.h>
+
+/* silu(x) = x / (1 + e^-x), float32. */
+static __device__ __forceinline__ float dfk_silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Σ v_i² over a row of `cols` floats, v = up ? silu(x)·up : x, for a block of 256 threads (every
+ * thread gets the result). Order: thread tid adds v_i² for i = tid, tid + 256, ... in order
+ * (loads issued 8 at a time, through L2: see cuda_qlin.cu on PDL), then an xor butterfly in
+ * each warp, then the 8 warp sums in order 0..7. red8: 8 floats of shared memory. */
+static __device__ __forceinline__ float dfk_row_sumsq(const float *xr, const float *ur, int cols, float *red8) {
+    const int tid = threadIdx.x;
+    float acc = 0.0f;
+    for (int i0 = 0; i0 < cols; i0 += 8 * 256) {
+        float v[8], u[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int i = i0 + j * 256 + tid;
+            v[j] = i < cols ? __ldcg(&xr[i]) : 0.0f;
+            u[j] = (ur && i < cols) ? __ldcg(&ur[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (i0 + j * 256 + tid < cols) {
+                const float w = ur ? dfk_silu(v[j]) * u[j] : v[j];
+                acc = acc + w * w;
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) acc = acc + __shfl_xor_sync(0xffffffffu, acc, off);
+    __syncthreads(); /* red8 may still be read from an earlier call */
+    if ((tid & 31) == 0) red8[tid >> 5] = acc;
+    __syncthreads();
+    float s = red8[0];
+    for (int k = 1; k < 8; k++) s = s + red8[k];
+    return s;
+}
+
+/* The RMSNorm scale of a row from its sum of squares: 1 / sqrt(Σ/cols + eps). */
+static __device__ __forceinline__ float dfk_rms_inv(float sumsq, int cols, float eps) {
+    const float ms = sumsq / (float)cols;
+    return 1.0f / sqrtf(ms + eps);
+}
+
+#endif
