@@ -89,6 +89,12 @@ for s in $STEPS; do
     timeout 200 "$NCU" --clock-control none --launch-skip 3000 --launch-count 500 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
       --print-summary per-kernel "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 16 --gen 4 --no-verify-curve > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncu.log" | head -120 | tee -a "$OUT/summary.txt" ;;
+  ncudeep)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:k_lin_q --launch-skip 40 --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats \
+      "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 16 --gen 4 --no-verify-curve > "$OUT/ncudeep.log" 2>&1
+    grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncudeep.log" | grep -A200 "k_lin_q" | head -150 | tee -a "$OUT/summary.txt" ;;
   mem)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \
