@@ -4,11 +4,21 @@
  * live on the device. Weights are the pack's host pointers (df_linear, df_vecf): each is
  * uploaded on first use and kept in a table keyed by host pointer, with a fingerprint (shape,
  * dtype and the first/middle/last bytes) so that a host buffer freed and reused for other
- * data is uploaded again. Quantized 2/4/8-bit weights with group 64/128 and dense bf16
- * weights (cols % 64 == 0) are repacked on the device into tensor-core fragment order and run
- * on mma.sync (bf16 operands that represent the float32 activations exactly: hi+mid+lo); every
- * other format runs on CUDA cores. Setting the environment variable DFLASH_CUDA_LINEAR=simple
- * before creating the backend forces the CUDA-core path for all linears (a cross-check).
+ * data is uploaded again. Quantized 2/4/8-bit weights with group 64/128 are repacked into the
+ * fragment order of the fixed-point linear (cuda_qlin.cu: integer tensor cores, activations as
+ * 16-bit fixed point per group, exact group sums); dense bf16 weights (cols % 64 == 0, the
+ * drafter) run on bf16 mma.sync with the float32 activations split exactly into three bf16
+ * parts (hi + mid + lo); dense f16/bf16 weights otherwise on a CUDA-core kernel; every other
+ * format on the generic CUDA-core path. Environment variables read when the backend is created
+ * (experiments and cross-checks; none changes a result's exactness): DFLASH_CUDA_LINEAR=simple
+ * (every linear on CUDA cores), DFLASH_CUDA_LINEAR=bf16split (quantized weights on the bf16
+ * path instead of the fixed-point one), DFLASH_CUDA_PDL=0 (no programmatic dependent launch),
+ * DFLASH_CUDA_QSMEM=0 (the fixed-point linear reads its input through L2 instead of shared
+ * memory), DFLASH_CUDA_QPERSIST=1 (persistent grid), DFLASH_CUDA_KW / DFLASH_CUDA_TARGET_CTAS
+ * (work split), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs).
+ *
+ * The backend also provides the fused ops of backend.h (`linears`: RMSNorm + several linears
+ * of one input; `linear_add`: SwiGLU + linear + residual add) with the bits of the composition.
  *
  * Ops are recorded and run in steps at the next point where the host needs a result; a step
  * that repeats (a decode step, a verify pass of the same block size) is replayed as a CUDA
