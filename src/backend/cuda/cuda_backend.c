@@ -1476,6 +1476,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_pdl(!(pdl && strcmp(pdl, "0") == 0));
     const char *qp = getenv("DFLASH_CUDA_QPERSIST");
     dfk_set_q_persistent(qp && strcmp(qp, "1") == 0);
+    const char *qpf = getenv("DFLASH_CUDA_QPREFETCH");
+    dfk_set_q_prefetch(!(qpf && strcmp(qpf, "0") == 0));
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");
     dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");

@@ -154,6 +154,8 @@ int dfk_linear_dense(int M, int n, const dfk_dlin *lins);
 void dfk_set_q_sm_count(int n);
 /* 1: dfk_linear_q runs a persistent grid (an experiment; default 0: one CTA per work unit). */
 void dfk_set_q_persistent(int on);
+/* 1: each warp of dfk_linear_q prefetches its next batch of codes into L2 (default). */
+void dfk_set_q_prefetch(int on);
 /* 1: dfk_linear_q copies the prepared input into shared memory when it fits (default). */
 void dfk_set_qsmem(int on);
 /* 1: launch the kernels of cuda_qlin.cu with programmatic dependent launch (default). */

@@ -400,6 +400,7 @@ struct qlaunch {
     dfk_qlin d[DFK_QMAX];
     int start[DFK_QMAX + 1];
     int n, M, sb_bf16;
+    int prefetch; /* 1: L2 prefetch of each warp's next batch of codes */
 };
 
 template <int VEC>
@@ -501,6 +502,28 @@ static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0
     }
 }
 
+/* L2 prefetch of the code and scale lines of the GP groups gbase, gbase + KW, ... for TR tiles
+ * (the warp's next batch: its loads then wait on L2, not DRAM). */
+template <int GP, int TR, int WPL>
+static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int tile0, const bool *tvalid, int ng,
+                                                        int gbase, int KW, int lane) {
+    constexpr int PER = WPL + 1, N = GP * TR * PER;
+    for (int i = lane; i < N; i += 32) {
+        const int gi = i / (TR * PER), r = i % (TR * PER), tr = r / PER, ln = r % PER;
+        const int grp = gbase + gi * KW;
+        if (grp >= ng) continue;
+        bool v = false;
+#pragma unroll
+        for (int k = 0; k < TR; k++)
+            if (k == tr) v = tvalid[k];
+        if (!v) continue;
+        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+        const void *ptr = ln < WPL ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
+                                   : (const void *)(L.sb + tg * 16);
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+    }
+}
+
 /* Work unit u of a launch: linear di = the last with ustart[di] <= u, its tiles
  * (u − ustart[di])·RW·TR + rw·TR ... . */
 static __device__ __forceinline__ int q_unit_lin(const qlaunch &P, int u) {
@@ -591,6 +614,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
             /* the code and scale loads of GP groups at once */
             if (!preloaded) q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tvalid, ng, gbase, KW, lane, g, wr, sbv);
             preloaded = false;
+            if (P.prefetch && gbase + KW * GP < ng)
+                q_prefetch_batch<GP, TR, WPL>(L, tile0, tvalid, ng, gbase + KW * GP, KW, lane);
             /* B fragments: from shared memory (SMB) or from L2, group gi+1's loaded before
              * group gi's MMAs */
             uint32_t bq[2][NT][KBG][2];
@@ -696,7 +721,8 @@ extern "C" void dfk_set_qsmem(int on) { g_qsmem = on ? 1 : 0; }
 /* Shared copies of the prepared input up to this size (two CTAs per SM still fit). */
 #define Q_SMEM_MAX (100 * 1024)
 
-static int g_q_sms = 132, g_q_persist = 0;
+static int g_q_sms = 132, g_q_persist = 0, g_q_prefetch = 1;
+extern "C" void dfk_set_q_prefetch(int on) { g_q_prefetch = on ? 1 : 0; }
 extern "C" void dfk_set_q_sm_count(int n) { g_q_sms = n > 0 ? n : 132; }
 extern "C" void dfk_set_q_persistent(int on) { g_q_persist = on ? 1 : 0; }
 
@@ -756,6 +782,7 @@ extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, int TR, int n,
     P.n = n;
     P.M = M;
     P.sb_bf16 = sb_bf16;
+    P.prefetch = g_q_prefetch;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
