@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/commands_gpu.h"
 #include "core/threads.h"
@@ -30,7 +31,7 @@ int df_cmd_synth(int argc, char **argv) {
     df_synth_options o;
     memset(&o, 0, sizeof o);
     o.preset = "27b";
-    o.tokenizer_dir = "models/demo";
+    o.tokenizer_dir = NULL; /* default: the embedded demo model's folder, see below */
     o.drafter = 1;
     o.seed = 1;
     for (int i = 1; i < argc; i++) {
@@ -44,13 +45,43 @@ int df_cmd_synth(int argc, char **argv) {
         else return usage();
     }
     if (!o.out_dir) return usage();
+    char tokdir[4096];
+    if (!o.tokenizer_dir) { /* $DFLASH_MODEL, else models/demo next to the binary's folder or here */
+        const char *env = getenv("DFLASH_MODEL");
+        char exe[4096] = "";
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        exe[n > 0 ? n : 0] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) *slash = 0;
+        const char *cands[4] = {env && env[0] ? env : NULL, NULL, NULL, "models/demo"};
+        char c1[4096 + 32], c2[4096 + 32];
+        snprintf(c1, sizeof c1, "%s/../models/demo", exe);
+        cands[1] = exe[0] ? c1 : NULL;
+#ifdef DFLASH_SOURCE_DIR
+        snprintf(c2, sizeof c2, "%s/models/demo", DFLASH_SOURCE_DIR);
+        cands[2] = c2;
+#else
+        (void)c2;
+#endif
+        o.tokenizer_dir = "models/demo";
+        for (int i = 0; i < 4; i++) {
+            char p[4096 + 64];
+            if (!cands[i]) continue;
+            snprintf(p, sizeof p, "%s/tokenizer.json", cands[i]);
+            if (access(p, R_OK) == 0) {
+                snprintf(tokdir, sizeof tokdir, "%s", cands[i]);
+                o.tokenizer_dir = tokdir;
+                break;
+            }
+        }
+    }
     double last = 0;
     o.progress = progress;
     o.progress_user = &last;
     double t0 = df_now_ms();
     df_error err = {0};
     if (df_synth_pack(&o, &err) != DF_OK) {
-        fprintf(stderr, "dflash synth: %s\n", err.msg);
+        fprintf(stderr, "dflash synth: %s\n", strncmp(err.msg, "synth: ", 7) == 0 ? err.msg + 7 : err.msg);
         return 1;
     }
     printf("synth: wrote %s pack to %s%s in %.1f s\n", o.preset, o.out_dir, o.drafter ? " (+ drafter/)" : "",

@@ -53,6 +53,7 @@ typedef struct gen_output {
     const df_gen_result *res;
     int drafter;               /* a drafter was loaded: add the draft counts */
     json_t *message;           /* chat: the parsed assistant message, or NULL */
+    int draft_quant;           /* 0, or the bits of --draft-quant */
 } gen_output;
 
 static int print_json(const gen_output *g) {
@@ -70,6 +71,7 @@ static int print_json(const gen_output *g) {
         json_object_set_new(o, "draft_rounds", json_integer(res->draft_rounds));
         json_object_set_new(o, "draft_n", json_integer(res->draft_n));
         json_object_set_new(o, "draft_n_accepted", json_integer(res->draft_n_accepted));
+        json_object_set_new(o, "draft_quant_bits", json_integer(g->draft_quant));
     }
     if (o && g->message) json_object_set(o, "message", g->message);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
@@ -267,7 +269,7 @@ int cmd_generate(int argc, char **argv) {
     }
     if (req.root) message = parse_message(&built, &req, &res);
     if (json) {
-        gen_output g = {ids, n_ids, &res, ds != NULL, message};
+        gen_output g = {ids, n_ids, &res, ds != NULL, message, draft_quant};
         rc = print_json(&g);
     } else {
         if (sc.printed && sc.last != '\n') putchar('\n');
@@ -280,10 +282,12 @@ int cmd_generate(int argc, char **argv) {
         rc = CLI_EXIT_OK;
     }
     if (stats)
-        fprintf(stderr, "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f%s\n",
+        fprintf(stderr, "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f%s%s\n",
                 res.draft_rounds, res.draft_n, res.draft_n_accepted,
                 res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0.0,
-                res.draft_n ? (double)res.draft_n_accepted / res.draft_n : 0.0, speculative ? "" : " (plain decoding)");
+                res.draft_n ? (double)res.draft_n_accepted / res.draft_n : 0.0,
+                draft_quant == 8 ? ", drafter weights 8-bit" : (draft_quant == 4 ? ", drafter weights 4-bit" : ""),
+                speculative ? "" : " (plain decoding)");
     if (res.finish == DF_FINISH_CANCELLED) rc = 130;
 done:
     json_decref(message);

@@ -505,6 +505,10 @@ df_status df_synth_pack(const df_synth_options *o, df_error *err) {
     else return df_error_set(err, DF_ERR_INVALID_ARG, "synth: unknown config \"%s\" (expected 27b or tiny)", preset);
     const char *tokdir = o->tokenizer_dir ? o->tokenizer_dir : "models/demo";
     char path[4096], src[4096];
+    snprintf(src, sizeof src, "%s/tokenizer.json", tokdir);
+    if (access(src, R_OK) != 0)
+        return df_error_set(err, DF_ERR_IO, "synth: %s: %s (give the folder of a tokenizer.json with --tokenizer)", src,
+                            strerror(errno));
     df_status st = make_dir(o->out_dir, err);
     if (st != DF_OK) return st;
     df_pool *pool = NULL;

@@ -74,8 +74,11 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     snprintf(path, sizeof path, "%s/config.json", dir);
     json_error_t je;
     json_t *root = json_load_file(path, 0, &je);
-    if (!root)
-        return df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s (line %d)", je.text, je.line);
+    if (!root) {
+        if (je.line > 0)
+            return df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s (line %d)", je.text, je.line);
+        return df_error_set(err, DF_ERR_IO, "%s", je.text);
+    }
     df_status st = DF_OK;
     json_t *arch = json_array_get(json_object_get(root, "architectures"), 0);
     const char *a = json_string_value(arch);

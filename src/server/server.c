@@ -277,6 +277,7 @@ static json_t *model_object(const df_server *srv) {
                                  df_engine_vocab_size(srv->eng), "speculative",
                                  srv->dstate != NULL && !srv->opt.no_draft, "chat_template",
                                  srv->chat.builtin ? "builtin-chatml" : "pack");
+        if (meta && srv->drafter) json_object_set_new(meta, "draft_quant_bits", json_integer(srv->opt.draft_quant));
         if (meta) json_object_set_new(o, "meta", meta);
     }
     return o;

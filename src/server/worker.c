@@ -38,15 +38,17 @@ static int load_model(df_server *srv) {
         return -1;
     }
     const df_drafter_config *dc = srv->drafter ? df_drafter_get_config(srv->drafter) : NULL;
-    char spec[160] = "no drafter";
+    char spec[200] = "no drafter", quant[32] = "";
+    if (dc && srv->opt.draft_quant) snprintf(quant, sizeof quant, ", weights %d-bit", srv->opt.draft_quant);
     if (dc) {
         const df_spec_params *sp = &srv->opt.spec;
         int block = sp->block ? sp->block : (dc->block_size < 16 ? dc->block_size : 16);
         if (sp->adaptive)
-            snprintf(spec, sizeof spec, "drafter loaded: adaptive block %d in %d..%d, window %d%s", block, sp->block_min,
-                     sp->block_max, srv->opt.draft_window, srv->opt.no_draft ? ", speculation disabled" : "");
+            snprintf(spec, sizeof spec, "drafter loaded: adaptive block %d in %d..%d, window %d%s%s", block,
+                     sp->block_min, sp->block_max, srv->opt.draft_window, quant,
+                     srv->opt.no_draft ? ", speculation disabled" : "");
         else
-            snprintf(spec, sizeof spec, "drafter loaded: block %d, window %d%s", block, srv->opt.draft_window,
+            snprintf(spec, sizeof spec, "drafter loaded: block %d, window %d%s%s", block, srv->opt.draft_window, quant,
                      srv->opt.no_draft ? ", speculation disabled" : "");
     }
     df_server_log(srv, "model '%s' ready: context %d, chat template %s, %s, peak RSS %.1f MiB", srv->model_id,
