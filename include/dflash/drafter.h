@@ -25,6 +25,8 @@ extern "C" {
 
 typedef struct df_drafter_config {
     int version;                 /* 1: DFlashDraftModel, 2: DFlash2DraftModel */
+    int vocab_size;              /* the target vocabulary it was trained for (0: not given) */
+    int num_target_layers;       /* the target's layer count it was trained for (0: not given) */
     int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
     int block_size;              /* the drafter's trained block size */
     int32_t mask_token_id;

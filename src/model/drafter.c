@@ -104,6 +104,10 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         goto done;
     }
     if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->n_heads ? c->hidden_size / c->n_heads : 0;
+    if (!json_int(root, "vocab_size", &c->vocab_size)) c->vocab_size = 0;
+    if (!json_int(root, "num_target_layers", &c->num_target_layers) &&
+        !json_int(dc, "num_target_layers", &c->num_target_layers))
+        c->num_target_layers = 0;
     if (!json_int(root, "block_size", &c->block_size) && !json_int(dc, "block_size", &c->block_size))
         c->block_size = 16;
     if (!json_num(root, "rms_norm_eps", &c->rms_norm_eps)) c->rms_norm_eps = 1e-6f;
@@ -269,6 +273,16 @@ df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_
     if (c->hidden_size != tc->hidden_size) {
         st = df_error_set(err, DF_ERR_MODEL, "drafter hidden_size %d does not match the target's %d", c->hidden_size,
                           tc->hidden_size);
+        goto fail;
+    }
+    if (c->vocab_size > 0 && c->vocab_size != tc->vocab_size) {
+        st = df_error_set(err, DF_ERR_MODEL, "drafter vocab_size %d does not match the target's %d (a drafter for another "
+                          "model?)", c->vocab_size, tc->vocab_size);
+        goto fail;
+    }
+    if (c->num_target_layers > 0 && c->num_target_layers != tc->n_layers) {
+        st = df_error_set(err, DF_ERR_MODEL, "drafter num_target_layers %d does not match the target's %d layers (a "
+                          "drafter for another model?)", c->num_target_layers, tc->n_layers);
         goto fail;
     }
     for (int i = 0; i < c->n_taps; i++)

@@ -168,6 +168,27 @@ static void test_drafter_errors(void **state) {
     assert_int_equal(df_drafter_load(&d, dir, e, &err), DF_ERR_MODEL);
     assert_non_null(strstr(err.msg, "target_layer_ids"));
     free(cfg);
+    /* a drafter trained for another vocabulary or another layer count */
+    const char *edits[][3] = {{"\"vocab_size\": 2048", "\"vocab_size\": 4096", "vocab_size"},
+                              {"\"num_target_layers\": 8", "\"num_target_layers\": 9", "num_target_layers"}};
+    for (int k = 0; k < 2; k++) {
+        cfg = tu_read_file(cfg_path, &len);
+        assert_non_null(cfg);
+        char *at = strstr(cfg, edits[k][0]);
+        assert_non_null(at);
+        const size_t a = strlen(edits[k][0]), b = strlen(edits[k][1]);
+        char *out = malloc(len - a + b + 1);
+        const size_t off = (size_t)(at - cfg);
+        memcpy(out, cfg, off);
+        memcpy(out + off, edits[k][1], b);
+        memcpy(out + off + b, at + a, len - off - a);
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        assert_int_equal(tu_write_file(path, out, len - a + b), 0);
+        assert_int_equal(df_drafter_load(&d, dir, e, &err), DF_ERR_MODEL);
+        assert_non_null(strstr(err.msg, edits[k][2]));
+        free(out);
+        free(cfg);
+    }
     free(model);
     df_engine_free(e);
 }
