@@ -9,8 +9,9 @@
  *   model.safetensors    ternary 2-bit codes (q in {0,1,2}, uniform over the rows), fp16
  *                        scales ~ sqrt(2/in) with biases = -scales, float32 signs ±1, fp16
  *                        norms ~1, dense fp16 in_proj_a/b, fp16 conv1d, float32 A_log
- *   tokenizer.json (+ tokenizer_config.json when present) copied from tokenizer_dir: its
- *                        vocabulary may be smaller than the embedding (padded rows)
+ *   tokenizer.json        (+ tokenizer_config.json, chat_template.jinja when present) copied
+ *                        from tokenizer_dir: its vocabulary may be smaller than the embedding
+ *                        (padded rows)
  *   drafter/             (when drafter != 0) a DFlash v1 drafter (DFlashDraftModel) with the
  *                        preset's drafter shapes, bf16 weights
  * Presets: "27b" (hidden 5120, 64 layers, 24/4 heads x 256, GDN 16/48 x 128, intermediate 17408,

@@ -528,6 +528,11 @@ df_status df_synth_pack(const df_synth_options *o, df_error *err) {
         st = copy_file(src, path, 1, err);
     }
     if (st == DF_OK) {
+        snprintf(src, sizeof src, "%s/chat_template.jinja", tokdir);
+        snprintf(path, sizeof path, "%s/chat_template.jinja", o->out_dir);
+        st = copy_file(src, path, 1, err);
+    }
+    if (st == DF_OK) {
         if (!target_tensors(&l, s, o->seed)) st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
         snprintf(path, sizeof path, "%s/model.safetensors", o->out_dir);
         if (st == DF_OK) st = write_safetensors(path, &l, pool, o, err);
