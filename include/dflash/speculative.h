@@ -34,8 +34,16 @@ typedef struct df_spec_params {
     void *override_user;
 } df_spec_params;
 
-/* Defaults: the drafter's block size (capped at 16), fixed. */
+/* Defaults: block 0 (= df_spec_default_block), fixed, range 2..16 when adaptive. */
 df_spec_params df_spec_params_default(void);
+
+/* The block size used when none is given: 4, or the drafter's trained block size when that is
+ * smaller. A block of B rows costs one verify pass of B rows plus a drafter pass; measured on
+ * the H200 (docs/PERFORMANCE.md) a verify pass of 4 rows costs 1.25x one decode step and one of
+ * 16 rows 3.8x, so at the acceptance rates this drafter reaches (2.7 to 4.5 tokens per round
+ * with block 16) block 4 is the fastest fixed choice: 1.55x / 2.41x plain, where block 16 is
+ * 0.61x / 0.98x. */
+int df_spec_default_block(const df_drafter_config *dc);
 
 /* Greedy generation with speculative decoding. s: a session of the drafter's target engine;
  * ds: a drafter state (reset here). params->sampling must be greedy (temperature 0). The

@@ -81,7 +81,7 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
  * drafter (const char *), spec (df_spec_params), window (int), no_draft (int), quant (int). */
 #define CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft, quant)                                                   \
     {"drafter", "DIR", CLI_STR, &(drafter), "none", "DFlash drafter folder: greedy requests are decoded speculatively", 0, 0, 0}, \
-    {"draft-block", "N", CLI_INT, &(spec).block, "the drafter's block size", "tokens per draft block (the first one when adaptive)", 2, 16, 0}, \
+    {"draft-block", "N", CLI_INT, &(spec).block, "4 (or the drafter's block size if smaller)", "tokens per draft block (the first one when adaptive)", 2, 16, 0}, \
     {"draft-adaptive", NULL, CLI_FLAG, &(spec).adaptive, "off", "adapt the block size to the acceptance", 0, 0, 0}, \
     {"draft-block-min", "N", CLI_INT, &(spec).block_min, "2", "with --draft-adaptive: smallest block", 2, 16, 0}, \
     {"draft-block-max", "N", CLI_INT, &(spec).block_max, "16", "with --draft-adaptive: largest block", 2, 16, 0}, \

@@ -7,6 +7,11 @@
 #include "dflash/speculative.h"
 #include "model/target.h"
 
+int df_spec_default_block(const df_drafter_config *dc) {
+    int b = dc->block_size < 4 ? dc->block_size : 4;
+    return b < 2 ? 2 : b;
+}
+
 df_spec_params df_spec_params_default(void) {
     df_spec_params p;
     memset(&p, 0, sizeof p);
@@ -148,7 +153,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     df_spec_params sp = sp_in ? *sp_in : df_spec_params_default();
     if (params->sampling.temperature > 0.0f || params->n_forced_ids > 0)
         return df_error_set(err, DF_ERR_INVALID_ARG, "speculative decoding serves greedy requests only");
-    if (sp.block == 0) sp.block = dc->block_size < DF_MAX_ROWS ? dc->block_size : DF_MAX_ROWS;
+    if (sp.block == 0) sp.block = df_spec_default_block(dc);
     if (sp.block_min == 0) sp.block_min = 2;
     if (sp.block_max == 0) sp.block_max = DF_MAX_ROWS;
     if (sp.block < 2 || sp.block > DF_MAX_ROWS || sp.block_min < 2 || sp.block_max > DF_MAX_ROWS ||

@@ -42,7 +42,7 @@ static int load_model(df_server *srv) {
     if (dc && srv->opt.draft_quant) snprintf(quant, sizeof quant, ", weights %d-bit", srv->opt.draft_quant);
     if (dc) {
         const df_spec_params *sp = &srv->opt.spec;
-        int block = sp->block ? sp->block : (dc->block_size < 16 ? dc->block_size : 16);
+        int block = sp->block ? sp->block : df_spec_default_block(dc);
         if (sp->adaptive)
             snprintf(spec, sizeof spec, "drafter loaded: adaptive block %d in %d..%d, window %d%s%s", block,
                      sp->block_min, sp->block_max, srv->opt.draft_window, quant,
