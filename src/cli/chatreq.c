@@ -1,8 +1,10 @@
 /* dflash command line: chat requests read from files and rendered with the pack's template,
  * exactly as the server does (src/server/openai.c validates, src/server/prompt.c renders). */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <jansson.h>
 
@@ -10,10 +12,23 @@
 #include "server/openai.h"
 
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab, df_api_request *req) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        cli_error(cmd, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        cli_error(cmd, "%s: not a regular file", path);
+        return -1;
+    }
     json_error_t je;
     json_t *root = json_load_file(path, JSON_DECODE_ANY, &je);
     if (!root) {
-        cli_error(cmd, "%s: invalid JSON at line %d, column %d: %s", path, je.line, je.column, je.text);
+        if (je.line < 0) cli_error(cmd, "%s: %s", path, je.text);
+        else if (strstr(je.text, "JSON_ALLOW_NUL"))
+            cli_error(cmd, "%s: strings containing the NUL character (\\u0000) are not supported (line %d, column %d)",
+                      path, je.line, je.column);
+        else cli_error(cmd, "%s: invalid JSON at line %d, column %d: %s", path, je.line, je.column, je.text);
         return -1;
     }
     if (json_is_array(root)) { /* a bare list of messages */

@@ -237,12 +237,30 @@ static size_t weight_bytes(df_engine *e) {
     return 0;
 }
 
-static int usage(void) {
-    fprintf(stderr,
-            "usage: dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]\n"
-            "                    [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]\n"
-            "                    [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]\n"
-            "                    [--draft-quant-pass BITS[,BITS]]\n");
+static const char BENCH_HELP[] =
+    "usage: dflash bench --model DIR [options]\n\n"
+    "Decode speed against the weight-streaming floor, the verify cost curve, the drafter pass, speculative\n"
+    "speed at a synthetic acceptance rate, and device memory.\n\n"
+    "options:\n"
+    "  --model DIR                  model pack folder (required)\n"
+    "  --drafter DIR                DFlash drafter (default: DIR/drafter when present)\n"
+    "  --device cuda|cpu            (default: cuda)\n"
+    "  --ctx N                      prompt length, >= 1 (default: 1024)\n"
+    "  --gen N                      tokens generated per run, >= 2 (default: 128)\n"
+    "  --repeats N                  samples per median, >= 1 (default: 7)\n"
+    "  --block B[,B...]             draft blocks of the synthetic-acceptance runs, 2..16 (default: 16)\n"
+    "  --synthetic-acceptance TAU   tokens per round to simulate, > 1 (repeatable; default: none)\n"
+    "  --memory-ctx N[,N...]        contexts of the peak-memory measurement (default: none)\n"
+    "  --window N                   drafter context window (default: 4096)\n"
+    "  --threads N                  CPU threads (default: all)\n"
+    "  --no-verify-curve            skip t(B)/t(1) for B = 1..16\n"
+    "  --draft-quant-pass BITS,...  also time the drafter pass with 8/4-bit weights (default: none)\n"
+    "  --help                       show this help and exit\n";
+
+static int usage_error(const char *fmt, const char *arg) {
+    fprintf(stderr, "dflash bench: ");
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n(see 'dflash bench --help')\n");
     return 2;
 }
 
@@ -308,9 +326,21 @@ int df_cmd_bench(int argc, char **argv) {
         else if (!strcmp(a, "--synthetic-acceptance") && v && o.n_taus < MAX_LIST) o.taus[o.n_taus++] = atof(argv[++i]);
         else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
         else if (!strcmp(a, "--draft-quant-pass") && v) o.n_quant = parse_list(argv[++i], o.quant, MAX_LIST);
-        else return usage();
+        else if (!strcmp(a, "--help")) {
+            fputs(BENCH_HELP, stdout);
+            return 0;
+        } else return usage_error("unknown option or missing value: %s", a);
     }
-    if (!o.model || o.ctx < 1 || o.gen < 2 || o.repeats < 1) return usage();
+    if (!o.model) return usage_error("%s", "--model DIR is required");
+    if (o.ctx < 1) return usage_error("%s", "--ctx must be >= 1");
+    if (o.gen < 2) return usage_error("%s", "--gen must be >= 2");
+    if (o.repeats < 1) return usage_error("%s", "--repeats must be >= 1");
+    if (strcmp(o.device, "cuda") != 0 && strcmp(o.device, "cpu") != 0)
+        return usage_error("--device must be cuda or cpu (got %s)", o.device);
+    for (int i = 0; i < o.n_blocks; i++)
+        if (o.blocks[i] < 2 || o.blocks[i] > 16) return usage_error("%s", "--block values must lie within 2..16");
+    for (int i = 0; i < o.n_quant; i++)
+        if (o.quant[i] != 4 && o.quant[i] != 8) return usage_error("%s", "--draft-quant-pass values must be 4 or 8");
     char dpath[4096];
     if (!o.drafter) {
         struct stat sb;
@@ -329,7 +359,7 @@ int df_cmd_bench(int argc, char **argv) {
         size_t total = 0;
         if (df_cuda_device_info(name, sizeof name, &total, &err) != DF_OK ||
             df_cuda_copy_bandwidth((size_t)2 << 30, &bw, &err) != DF_OK) {
-            fprintf(stderr, "dflash bench: %s\n", err.msg);
+            fprintf(stderr, "dflash bench: %s (no usable GPU? --device cpu runs the CPU backend)\n", err.msg);
             return 1;
         }
         printf("device: %s, %.1f GiB; device-to-device copy bandwidth %.0f GB/s (read + write, 2 GiB buffer)\n", name,

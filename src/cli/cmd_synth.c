@@ -21,9 +21,22 @@ static void progress(void *user, const char *file, double done, double total) {
     fprintf(stderr, "synth: %s %.2f / %.2f GB\n", file, done / 1e9, total / 1e9);
 }
 
+static const char SYNTH_HELP[] =
+    "usage: dflash synth --out DIR [options]\n\n"
+    "Writes a random pack with the exact shapes and formats of a preset (for speed and memory\n"
+    "measurements; its text is meaningless) and a DFlash drafter in DIR/drafter.\n\n"
+    "options:\n"
+    "  --out DIR           output folder: new or empty (required)\n"
+    "  --config 27b|tiny   preset: Ternary Bonsai 2 27B shapes (about 11 GB) or a tiny one (default: 27b)\n"
+    "  --tokenizer DIR     folder whose tokenizer.json (+ tokenizer_config.json, chat_template.jinja)\n"
+    "                      is copied (default: $DFLASH_MODEL, else the embedded demo model)\n"
+    "  --no-drafter        no drafter\n"
+    "  --seed N            random seed (default: 1)\n"
+    "  --threads N         writer threads (default: all CPUs)\n"
+    "  --help              show this help and exit\n";
+
 static int usage(void) {
-    fprintf(stderr, "usage: dflash synth --config 27b|tiny --out DIR [--tokenizer DIR] [--no-drafter] [--seed N] "
-                    "[--threads N]\n");
+    fputs(SYNTH_HELP, stderr);
     return 2;
 }
 
@@ -41,7 +54,10 @@ int df_cmd_synth(int argc, char **argv) {
         else if (!strcmp(argv[i], "--no-drafter")) o.drafter = 0;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) o.seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) o.n_threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--help")) return usage() - 2;
+        else if (!strcmp(argv[i], "--help")) {
+            fputs(SYNTH_HELP, stdout);
+            return 0;
+        }
         else return usage();
     }
     if (!o.out_dir) return usage();

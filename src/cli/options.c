@@ -60,7 +60,10 @@ static int in_range(const cli_opt *o, double x) { return (o->lo == 0 && o->hi ==
 
 static int range_error(const cli_command *cmd, const cli_opt *o, const char *v) {
     char why[96];
-    snprintf(why, sizeof why, "expected a number from %g to %g", o->lo, o->hi);
+    if (o->kind == CLI_INT)
+        snprintf(why, sizeof why, "expected an integer from %lld to %lld", (long long)o->lo, (long long)o->hi);
+    else
+        snprintf(why, sizeof why, "expected a number from %g to %g", o->lo, o->hi);
     return bad_value(cmd, o, v, why);
 }
 
@@ -236,7 +239,7 @@ int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
 
 int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft, const struct df_spec_params *spec,
                             int quant) {
-    if (quant != 0 && quant != 4 && quant != 8) return cli_usage_error(cmd, "--draft-quant must be 4 or 8 (got %d)", quant);
+    if (quant != 0 && quant != 4 && quant != 8) return cli_usage_error(cmd, "--draft-quant must be 4 or 8, or 0 for off (got %d)", quant);
     if (!drafter)
         for (int i = 0; i < cmd->n_opts; i++)
             if (!strncmp(cmd->opts[i].name, "draft-", 6) && cmd->opts[i].given)

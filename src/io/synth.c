@@ -505,6 +505,15 @@ df_status df_synth_pack(const df_synth_options *o, df_error *err) {
     else return df_error_set(err, DF_ERR_INVALID_ARG, "synth: unknown config \"%s\" (expected 27b or tiny)", preset);
     const char *tokdir = o->tokenizer_dir ? o->tokenizer_dir : "models/demo";
     char path[4096], src[4096];
+    /* never overwrite a pack (or the tokenizer folder the files are copied from) */
+    static const char *const pack_files[] = {"config.json", "model.safetensors", "model.safetensors.index.json",
+                                             "tokenizer.json"};
+    for (size_t i = 0; i < sizeof pack_files / sizeof pack_files[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", o->out_dir, pack_files[i]);
+        if (access(path, F_OK) == 0)
+            return df_error_set(err, DF_ERR_INVALID_ARG,
+                                "synth: %s already exists; the output folder must be new or hold no pack", path);
+    }
     snprintf(src, sizeof src, "%s/tokenizer.json", tokdir);
     if (access(src, R_OK) != 0)
         return df_error_set(err, DF_ERR_IO, "synth: %s: %s (give the folder of a tokenizer.json with --tokenizer)", src,

@@ -552,6 +552,7 @@ void df_server_stream_close(df_server_stream *s) {
 }
 
 static void route_metrics(df_server *srv, df_http_response *resp) {
+    df_queue_prune(srv);
     set_body(resp, 200, "text/plain; version=0.0.4; charset=utf-8", df_metrics_render(srv));
 }
 

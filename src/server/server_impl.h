@@ -159,6 +159,10 @@ void *df_worker_main(void *arg);
 /* Queues j (taking a reference for the worker). Returns 0, or -1 with e set (503: queue full
  * or shutting down). */
 int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e);
+/* Removes the waiting jobs whose client has gone (each answered 499 and logged, as the worker
+ * would when reaching it); called before enqueueing and before /metrics reports the queue
+ * depth. Returns how many were removed. */
+int df_queue_prune(df_server *srv);
 
 /* Logs a job's end line and counts it in the metrics. */
 void df_job_log_end(df_job *j, int status);

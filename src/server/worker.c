@@ -61,6 +61,7 @@ static int load_model(df_server *srv) {
 /* ---- queue -------------------------------------------------------------------------- */
 
 int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e) {
+    df_queue_prune(srv); /* clients that left while waiting free their places first */
     pthread_mutex_lock(&srv->qlock);
     int rc = 0;
     if (atomic_load(&srv->stopping)) {
@@ -466,6 +467,39 @@ static void run_job(df_job *j) {
         json_decref(choices);
         fail_job(j, 500, "server_error", NULL, "out of memory");
     }
+}
+
+int df_queue_prune(df_server *srv) {
+    df_job *gone = NULL;
+    pthread_mutex_lock(&srv->qlock);
+    if (!atomic_load(&srv->stopping)) {
+        df_job **pp = &srv->qhead, *prev = NULL;
+        while (*pp) {
+            df_job *j = *pp;
+            gen_ctx probe = {.j = j};
+            if (should_stop(&probe)) {
+                *pp = j->next;
+                if (srv->qtail == j) srv->qtail = prev;
+                srv->n_waiting--;
+                j->next = gone;
+                gone = j;
+            } else {
+                prev = j;
+                pp = &j->next;
+            }
+        }
+    }
+    pthread_mutex_unlock(&srv->qlock);
+    int n = 0;
+    while (gone) {
+        df_job *j = gone;
+        gone = j->next;
+        snprintf(j->note, sizeof j->note, "the client closed the connection while waiting");
+        finish_job(j, 499);
+        df_job_unref(j);
+        n++;
+    }
+    return n;
 }
 
 void *df_worker_main(void *arg) {

@@ -16,6 +16,7 @@ generation read through /v1/completions.
 """
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -524,6 +525,38 @@ def test_full_queue_answers_503():
         assert len(set(ok)) == 1   # the same greedy request: the same answer every time
         m = metrics(s.url)
         assert m['dflash_requests_total{route="/v1/chat/completions",status="503"}'] == statuses.count(503)
+        check_clean_exit(s)
+
+
+def test_clients_that_leave_the_queue_free_their_places():
+    """Waiting requests whose clients hang up are dropped before the queue is judged full."""
+    with Server("--queue", "2") as s:
+        long_req = {"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0,
+                    "logit_bias": {"1984": -100, "1986": -100}, "stream": True}
+        r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60, json=long_req)
+        it = r.iter_lines()
+        next(it)   # the long generation is running
+        host, port = s.url.split("//")[1].split(":")
+        for _ in range(2):   # two waiting requests whose clients then leave
+            body = json.dumps({"messages": msgs("x"), "max_tokens": 2, "temperature": 0}).encode()
+            c = socket.create_connection((host, int(port)))
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.3)
+            c.close()
+        time.sleep(0.3)
+        m = metrics(s.url)
+        assert m["dflash_queue_depth"] == 0
+        done = []
+        t = threading.Thread(target=lambda: done.append(
+            post(s.url, "/v1/chat/completions", {"messages": msgs("y"), "max_tokens": 2, "temperature": 0})))
+        t.start()
+        time.sleep(0.5)
+        r.close()   # end the long generation: the new request runs next
+        t.join(120)
+        assert done and done[0].status_code == 200, done and done[0].text
+        after = metrics(s.url)
+        assert after["dflash_cancelled_total"] >= 3   # the two that left + the long stream
         check_clean_exit(s)
 
 
