@@ -54,9 +54,9 @@ for s in $STEPS; do
       t timeout 400 "$BIN/dflash-gpu" synth --config 27b --out /tmp/p27 --tokenizer "$ROOT/models/demo" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
     du -sh /tmp/p27 /tmp/p27/drafter | tee -a "$OUT/summary.txt" ;;
   bench)
-    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4" >> "$OUT/summary.txt"
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 --identity 5,200" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 \
-      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 --identity 5,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
   exp)
     for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
       echo "-- $v" | tee -a "$OUT/summary.txt"

@@ -45,6 +45,7 @@ typedef struct bench_opts {
     int n_taus;
     int mem_ctx[MAX_LIST], n_mem;
     int quant[MAX_LIST], n_quant; /* --draft-quant-pass: bits of extra drafter pass timings */
+    int id_prompts, id_tokens;    /* --identity N,T: speculative == plain check */
 } bench_opts;
 
 static int parse_list(const char *s, int *out, int max) {
@@ -255,6 +256,8 @@ static const char BENCH_HELP[] =
     "  --threads N                  CPU threads (default: all)\n"
     "  --no-verify-curve            skip t(B)/t(1) for B = 1..16\n"
     "  --draft-quant-pass BITS,...  also time the drafter pass with 8/4-bit weights (default: none)\n"
+    "  --identity N,T               check speculative == plain greedy on N prompts x T tokens, with the\n"
+    "                               real drafter (default block) and at synthetic acceptance 4.5 (block 8)\n"
     "  --help                       show this help and exit\n";
 
 static int usage_error(const char *fmt, const char *arg) {
@@ -326,6 +329,13 @@ int df_cmd_bench(int argc, char **argv) {
         else if (!strcmp(a, "--synthetic-acceptance") && v && o.n_taus < MAX_LIST) o.taus[o.n_taus++] = atof(argv[++i]);
         else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
         else if (!strcmp(a, "--draft-quant-pass") && v) o.n_quant = parse_list(argv[++i], o.quant, MAX_LIST);
+        else if (!strcmp(a, "--identity") && v) {
+            int nt[2] = {0, 0};
+            if (parse_list(argv[++i], nt, 2) != 2 || nt[0] < 1 || nt[1] < 2)
+                return usage_error("--identity takes N,T: prompts >= 1 and tokens >= 2 (got %s)", argv[i]);
+            o.id_prompts = nt[0];
+            o.id_tokens = nt[1];
+        }
         else if (!strcmp(a, "--help")) {
             fputs(BENCH_HELP, stdout);
             return 0;
@@ -476,6 +486,48 @@ int df_cmd_bench(int argc, char **argv) {
         /* drafter pass time over a context of min(ctx, window) random features */
         const int nctx = o.ctx < o.window ? o.ctx : o.window;
         if (!draft_pass_times(e, ds, prompt[0], nctx, o.repeats, "", &err)) goto out;
+        /* token identity, speculative vs plain, over several prompts */
+        for (int pi = 0; pi < o.id_prompts; pi++) {
+            const int n = 64 + 97 * pi < o.ctx ? 64 + 97 * pi : o.ctx;
+            int32_t *pp = malloc((size_t)n * sizeof(int32_t));
+            if (!pp) goto out;
+            for (int k = 0; k < n; k++) pp[k] = prompt[(k * (pi + 3) + pi * 11) % o.ctx];
+            df_gen_params gp = df_gen_params_default();
+            gp.max_tokens = o.id_tokens;
+            df_gen_result want, got;
+            if (df_generate(s, pp, n, &gp, NULL, NULL, &want, &err) != DF_OK) {
+                free(pp);
+                goto out;
+            }
+            const char *verdict[2] = {"NO", "NO"};
+            long accepted[2] = {0, 0};
+            for (int mode = 0; mode < 2; mode++) {
+                df_spec_params sp = df_spec_params_default();
+                synth_acc sa = {.plain = want.ids, .n_plain = want.n_ids, .vocab = V, .tau = 4.5, .rng = 777u + (unsigned)pi};
+                if (mode == 1) {
+                    sp.block = 8;
+                    sp.override = synth_propose;
+                    sp.override_user = &sa;
+                }
+                if (df_generate_speculative(s, ds, pp, n, &gp, &sp, NULL, NULL, &got, &err) != DF_OK) {
+                    df_gen_result_free(&want);
+                    free(pp);
+                    goto out;
+                }
+                const int same = got.n_ids == want.n_ids &&
+                                 memcmp(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t)) == 0;
+                verdict[mode] = same ? "yes" : "NO";
+                accepted[mode] = got.draft_n_accepted;
+                df_gen_result_free(&got);
+            }
+            printf("identity: prompt %d (%d tokens), %d tokens generated: speculative == plain with the drafter "
+                   "(default block): %s (%ld drafts accepted); at synthetic tau 4.5, block 8: %s (%ld accepted)\n",
+                   pi, n, want.n_ids, verdict[0], accepted[0], verdict[1], accepted[1]);
+            df_gen_result_free(&want);
+            free(pp);
+            if (strcmp(verdict[0], "yes") || strcmp(verdict[1], "yes")) goto out;
+        }
+
         /* speed at synthetic acceptance */
         const int ngen = plain[o.gen - 1] < 0 ? 0 : o.gen;
         if (o.n_taus && ngen == 0) printf("speed at synthetic acceptance: skipped (the plain run hit an EOS id)\n");
