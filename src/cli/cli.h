@@ -62,6 +62,9 @@ cli_opt *cli_find(cli_command *cmd, const char *name);
  * (<exe dir>/../models/demo, then <source dir>/models/demo). Prints an error and returns -1
  * when there is none. */
 int cli_model_dir(const char *given, char *out, size_t cap);
+/* The embedded demo model's folder (models/demo next to the binary's folder, else in the source
+ * tree), quietly: 0, or -1 when not found. */
+int cli_demo_model_dir(char *out, size_t cap);
 /* The public name of a model folder: its basename (after resolving "." and links). */
 void cli_model_id(const char *dir, char *out, size_t cap);
 /* Parses "1,2,3" into a malloc'd id array. Returns -1 (message on stderr) if malformed. */

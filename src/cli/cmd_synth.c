@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
+#include "cli/cli.h"
 #include "cli/commands_gpu.h"
 #include "core/threads.h"
 #include "dflash/synth.h"
@@ -62,34 +62,11 @@ int df_cmd_synth(int argc, char **argv) {
     }
     if (!o.out_dir) return usage();
     char tokdir[4096];
-    if (!o.tokenizer_dir) { /* $DFLASH_MODEL, else models/demo next to the binary's folder or here */
+    if (!o.tokenizer_dir) { /* $DFLASH_MODEL, else the embedded demo model */
         const char *env = getenv("DFLASH_MODEL");
-        char exe[4096] = "";
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        exe[n > 0 ? n : 0] = 0;
-        char *slash = strrchr(exe, '/');
-        if (slash) *slash = 0;
-        const char *cands[4] = {env && env[0] ? env : NULL, NULL, NULL, "models/demo"};
-        char c1[4096 + 32], c2[4096 + 32];
-        snprintf(c1, sizeof c1, "%s/../models/demo", exe);
-        cands[1] = exe[0] ? c1 : NULL;
-#ifdef DFLASH_SOURCE_DIR
-        snprintf(c2, sizeof c2, "%s/models/demo", DFLASH_SOURCE_DIR);
-        cands[2] = c2;
-#else
-        (void)c2;
-#endif
-        o.tokenizer_dir = "models/demo";
-        for (int i = 0; i < 4; i++) {
-            char p[4096 + 64];
-            if (!cands[i]) continue;
-            snprintf(p, sizeof p, "%s/tokenizer.json", cands[i]);
-            if (access(p, R_OK) == 0) {
-                snprintf(tokdir, sizeof tokdir, "%s", cands[i]);
-                o.tokenizer_dir = tokdir;
-                break;
-            }
-        }
+        if (env && env[0]) o.tokenizer_dir = env;
+        else if (cli_demo_model_dir(tokdir, sizeof tokdir) == 0) o.tokenizer_dir = tokdir;
+        else o.tokenizer_dir = "models/demo"; /* df_synth_pack reports what is missing */
     }
     double last = 0;
     o.progress = progress;

@@ -173,6 +173,13 @@ int cli_model_dir(const char *given, char *out, size_t cap) {
         }
         return 0;
     }
+    if (cli_demo_model_dir(out, cap) == 0) return 0;
+    fprintf(stderr, "dflash: no model given and the embedded demo model (models/demo) was not found; "
+                    "use --model DIR or set DFLASH_MODEL\n");
+    return -1;
+}
+
+int cli_demo_model_dir(char *out, size_t cap) {
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (n > 0) {
@@ -186,8 +193,6 @@ int cli_model_dir(const char *given, char *out, size_t cap) {
 #ifdef DFLASH_SOURCE_DIR
     if (snprintf(out, cap, "%s/models/demo", DFLASH_SOURCE_DIR) < (int)cap && is_model_dir(out)) return 0;
 #endif
-    fprintf(stderr, "dflash: no model given and the embedded demo model (models/demo) was not found; "
-                    "use --model DIR or set DFLASH_MODEL\n");
     return -1;
 }
 
