@@ -271,8 +271,9 @@ static void q_model(const df_linear *L, const float *x, int M, double *yref, dou
 /* GPU y (fixed-point path) against the model (float32 rounding: 4 roundings per group and
  * one per group sum, relative 2^-24 each, on magnitudes <= mag) and against the CPU (the
  * activation rounding qerr plus the CPU's own float32 error, 2e-6 of the row scale). */
-static void check_qpath(const df_linear *L, const float *x, const float *y, const float *ycpu, const char *what) {
-    const int R = DF_MAX_ROWS, rows = L->rows, ng = L->cols / L->group_size;
+static void check_qpath(const df_linear *L, const float *x, int R, const float *y, const float *ycpu,
+                        const char *what) {
+    const int rows = L->rows, ng = L->cols / L->group_size;
     double *yref = malloc((size_t)R * rows * sizeof(double)), *mag = malloc((size_t)R * rows * sizeof(double));
     double *qerr = malloc((size_t)R * rows * sizeof(double));
     q_model(L, x, R, yref, mag, qerr);
@@ -346,7 +347,7 @@ static void test_linear(void **state) {
         double e1 = rel_err(y, ycpu, (size_t)R * (size_t)rows, 1e-3), e2 = rel_err(ys, ycpu, (size_t)R * (size_t)rows, 1e-3);
         printf("linear %-36s rows %4d cols %5d: rel err vs CPU %.2e (CUDA cores %.2e)\n", cases[c].name, rows, cols, e1,
                e2);
-        if (is_qpath(&q.L)) check_qpath(&q.L, x, y, ycpu, cases[c].name);
+        if (is_qpath(&q.L)) check_qpath(&q.L, x, R, y, ycpu, cases[c].name);
         else if (!(e1 <= 2e-5)) fail_msg("%s: GPU linear differs from the CPU", cases[c].name);
         if (!(e2 <= 2e-5)) fail_msg("%s: GPU CUDA-core linear differs from the CPU", cases[c].name);
         free(y);
@@ -374,7 +375,7 @@ static void test_weight_reupload(void **state) {
         g_gpu->ops->linear(g_gpu, &q.L, dx, 1, dy);
         dget(g_gpu, y, dy, sizeof y);
         g_cpu->ops->linear(g_cpu, &q.L, x, 1, yc);
-        assert_true(rel_err(y, yc, 32, 1e-3) <= 1e-3); /* new codes: far apart if the old ones were kept */
+        check_qpath(&q.L, x, 1, y, yc, "reupload"); /* the stale codes would miss both bounds */
     }
     gpu_ok(g_gpu, "reupload");
     dfree_(g_gpu, dx);
