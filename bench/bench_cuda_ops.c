@@ -1,12 +1,13 @@
 /* bench_cuda_ops: time of single CUDA backend ops at 27B shapes, against the bytes they must
  * move (needs a GPU; prints a message and exits 0 without one).
  *
- *   bench_cuda_ops [--iters N]
+ *   bench_cuda_ops [--iters N] [--quant-only] [--shape NAME]
  *
  * Linear (2-bit, group 128, Hadamard 1024) for the target's shapes at M = 1, 2, 4, 8, 16 rows:
  * microseconds per call and weight bytes / time; dense bf16 (drafter) at M = 8, 16; attention
  * (24/4 heads x 256) at contexts 1024 and 32768 for M = 1 and 16; Gated DeltaNet (48 heads
- * 128 x 128) for M = 1 and 16. Environment variables of the backend (DFLASH_CUDA_KW,
+ * 128 x 128) for M = 1 and 16. --quant-only: the 2-bit linears only;
+ * --shape NAME: the linears whose name contains NAME. Environment variables of the backend (DFLASH_CUDA_KW,
  * DFLASH_CUDA_TARGET_CTAS, DFLASH_CUDA_LINEAR) apply, for experiments. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,9 +83,13 @@ static double bytes_of(const df_linear *L) {
 }
 
 int main(int argc, char **argv) {
-    int iters = 50;
-    for (int i = 1; i < argc; i++)
+    int iters = 50, quant_only = 0;
+    const char *only = NULL;
+    for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quant-only")) quant_only = 1;
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+    }
     df_error err = {0};
     df_backend *be = NULL;
     if (df_backend_cuda_create(&be, 0, &err) != DF_OK) {
@@ -111,6 +116,7 @@ int main(int argc, char **argv) {
     float *dy = be->ops->alloc(be, (size_t)16 * 248320 * 4);
     printf("linear: us per call (GB/s of weight bytes) for M = 1 2 4 8 16\n");
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        if ((quant_only && shapes[k].quant != 1) || (only && !strstr(shapes[k].name, only))) continue;
         wset q;
         make(&q, shapes[k].rows, shapes[k].cols, shapes[k].quant);
         be->ops->linear(be, &q.L, dx, 1, dy); /* upload */
@@ -132,6 +138,12 @@ int main(int argc, char **argv) {
         free(q.s);
         free(q.b);
         free(q.signs);
+    }
+    if (quant_only) {
+        if (be->failed) printf("CUDA backend error: %s\n", df_backend_cuda_last_error(be));
+        free(x);
+        be->ops->destroy(be);
+        return 0;
     }
     /* attention */
     const df_attn_shape sh = {.n_heads = 24, .n_kv_heads = 4, .head_dim = 256, .rot_dims = 64,

@@ -17,6 +17,7 @@ mkdir -p $P
 for f in ../.gpu-deps/*.deb; do dpkg -x "$f" $P; done
 export LD_LIBRARY_PATH=$P/usr/lib/x86_64-linux-gnu
 export DFLASH_FIXTURES=$ROOT/tests/fixtures DFLASH_SOURCE_DIR=$ROOT
+[ -f prebuilt.tar.xz ] && [ ! -d prebuilt ] && tar -xJf prebuilt.tar.xz
 BIN=$PWD/prebuilt
 TB=$BIN
 "$BIN/dflash-gpu" >/dev/null 2>&1
@@ -79,6 +80,25 @@ for s in $STEPS; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
       env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode|floor|graph|steps" | tee -a "$OUT/summary.txt"
     done ;;
+  qvar)
+    for v in ${QVARIANTS:-DFLASH_CUDA_QRING=0 DFLASH_CUDA_QRING=1}; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 100 "$BIN/bench_cuda_ops" --quant-only --iters 30 2>&1 | grep -vE "^copy|^linear:" | tee -a "$OUT/summary.txt"
+    done ;;
+  ncuq)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for v in ${QVARIANTS:-DFLASH_CUDA_QRING=0 DFLASH_CUDA_QRING=1}; do
+      echo "-- ncu $v" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 200 "$NCU" --clock-control none --kernel-name regex:k_lin_q --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
+        --metrics smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_misc_per_issue_active.ratio,smsp__average_warps_issue_stalled_drain_per_issue_active.ratio,smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio \
+        "$BIN/bench_cuda_ops" --quant-only --shape "${NCU_SHAPE:-mlp gate}" --iters 2 > "$OUT/ncuq.log" 2>&1
+      grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncuq.log" | grep -A200 "k_lin_q" | head -120 | tee -a "$OUT/summary.txt"
+    done
+    CO=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
+    [ -n "$CO" ] && "$CO" -sass -fun '_Z8k_lin_qrILi2ELi128ELi1ELi3ELb1ELi0EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_qr.txt" 2>&1
+    [ -n "$CO" ] && "$CO" -sass -fun '_Z7k_lin_qILi2ELi128ELi1ELi1ELi2ELb1EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_q.txt" 2>&1
+    ls -la "$OUT" ;;
   tune)
     for v in DFLASH_CUDA_TARGET_CTAS=264 DFLASH_CUDA_TARGET_CTAS=528 DFLASH_CUDA_OCC=3; do
       echo "-- $v" | tee -a "$OUT/summary.txt"

@@ -11,4 +11,6 @@ git ls-files -co --exclude-standard | grep -v '^tests/fixtures/\|^models/' | tar
 for b in dflash-gpu bench_cuda_ops tests/test_cuda_ops tests/test_cuda_model; do
   strip -o "$DEST/prebuilt/$(basename $b)" "build-cuda/$b"
 done
+# the four binaries share most of their GPU code: compressed together they travel in far less
+tar -C "$DEST" -cJf "$DEST/prebuilt.tar.xz" prebuilt && rm -rf "$DEST/prebuilt"
 du -sh "$DEST"

@@ -22,7 +22,7 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 
-static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_cpu;
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_cpu;
 static char g_skip[700];
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
@@ -60,6 +60,14 @@ static int setup(void **state) {
         setenv("DFLASH_CUDA_LINEAR", "simple", 1);
         if (df_backend_cuda_create(&g_gpu_simple, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_LINEAR");
+        /* the other schedules of the fixed-point linear: the register kernel; the ring on a
+         * grid of 7 CTAs (many units per CTA: streams across their ends) */
+        setenv("DFLASH_CUDA_QRING", "0", 1);
+        if (df_backend_cuda_create(&g_gpu_reg, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QRING");
+        setenv("DFLASH_CUDA_QCTAS", "7", 1);
+        if (df_backend_cuda_create(&g_gpu_persist, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QCTAS");
     }
 #else
     snprintf(g_skip, sizeof g_skip, "this build has no CUDA backend");
@@ -72,8 +80,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_cpu};
-    for (int i = 0; i < 4; i++)
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_cpu};
+    for (int i = 0; i < 6; i++)
         if (bs[i]) bs[i]->ops->destroy(bs[i]);
     return 0;
 }
@@ -327,6 +335,7 @@ static void test_linear(void **state) {
         {48, 5120, 0, 0, 0, DF_DTYPE_F16, 0, "dense f16 48 x 5120 (in_proj_a)"},
         {36, 1024, 8, 128, 0, 0, 0, "8-bit g128"},
         {44, 512, 4, 128, 512, 0, 0, "4-bit g128 H512"},
+        {2000, 640, 2, 128, 128, 0, 1, "2-bit 2000 rows (many units)"},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         qlin q;
@@ -340,6 +349,15 @@ static void test_linear(void **state) {
         float *ytr = linear_rows_exact(g_gpu_tr, &q.L, x, cases[c].name);
         if (memcmp(y, ytr, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: result depends on the tiles per warp", cases[c].name);
+        /* the register kernel and the persistent ring: same bits */
+        float *yreg = linear_rows_exact(g_gpu_reg, &q.L, x, cases[c].name);
+        float *ype = linear_rows_exact(g_gpu_persist, &q.L, x, cases[c].name);
+        if (memcmp(y, yreg, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: the ring kernel and the register kernel differ", cases[c].name);
+        if (memcmp(y, ype, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: the ring kernel on 7 CTAs differs", cases[c].name);
+        free(yreg);
+        free(ype);
         /* CPU reference and the CUDA-core path */
         float *ycpu = malloc((size_t)R * (size_t)rows * 4);
         g_cpu->ops->linear(g_cpu, &q.L, x, R, ycpu);
@@ -755,10 +773,7 @@ static void test_dyn_conv(void **state) {
 /* linears (RMSNorm + several linears, fixed-point and dense mixed) and linear_add (SwiGLU +
  * linear + residual add): M-row == single-row bits, and == the primitive ops in sequence on
  * the same backend. */
-static void test_fused(void **state) {
-    (void)state;
-    NEED_GPU();
-    df_backend *be = g_gpu;
+static void fused_case(df_backend *be, const char *kernel) {
     const int H = 1024, R = DF_MAX_ROWS, I = 2048;
     qlin q[4], d;
     make_linear(&q[0], 200, H, 2, 128, 1024, 0, 1);
@@ -834,8 +849,8 @@ static void test_fused(void **state) {
         }
     }
     gpu_ok(be, "fused");
-    printf("fused ops: linears (norm + 2 fixed-point + 2 dense) and linear_add (SwiGLU) == composition, "
-           "M = 1..16 rows == single rows\n");
+    printf("fused ops (%s): linears (norm + 2 fixed-point + 2 dense) and linear_add (SwiGLU) == composition, "
+           "M = 1..16 rows == single rows\n", kernel);
     float *bufs[] = {dx, du, dh, dh2, dr, dr2, da, dl, dy[0], dy[1], dy[2], dy[3], dz[0], dz[1], dz[2], dz[3]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree_(be, bufs[i]);
     for (int i = 0; i < 4; i++) free_linear(&q[i]);
@@ -848,6 +863,13 @@ static void test_fused(void **state) {
     free(r0);
     free(ha);
     free(hb);
+}
+
+static void test_fused(void **state) {
+    (void)state;
+    NEED_GPU();
+    fused_case(g_gpu, "default kernels");
+    fused_case(g_gpu_persist, "ring kernel on 7 CTAs");
 }
 
 int main(void) {

@@ -78,6 +78,7 @@ typedef struct cuda_backend {
     int force_simple;
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
+    int q_ring, q_ctas; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, DFLASH_CUDA_QCTAS) */
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
     struct cmd *cmds;
@@ -321,13 +322,18 @@ static int choose_kw(int rows, int ng) {
  * GPU and for every M): enough warps for the whole GPU (about 2048: 16-row tiles x slices)
  * while each warp keeps >= 4 groups to stream. A constant, not the device's SM count. Measured
  * on the H200 against a fixed 8 or 4 slices for every shape: 135.9 vs 109.0 / 124.3 tok/s. */
-static int choose_kw_q(int rows, int ng) {
+/* K-slices of a fixed-point weight: a function of its shape (and of the kernel, fixed per
+ * backend), never of M. The ring kernel (units: 8/KW tiles, one per warp) takes the fewest
+ * slices that still give about 12800 warp-tiles (enough units to balance its persistent grid
+ * over the device), at most 8 and of at least 4 groups each; the register kernel keeps
+ * tiles × slices below 2048 (its units are CTAs). */
+static int choose_kw_q(int rows, int ng, int ring) {
     const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
     if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
         return atoi(force);
     const int tiles = (rows + 15) / 16;
     int kw = 1;
-    while (kw < 8 && tiles * kw < 2048 && ng / (2 * kw) >= 4) kw *= 2;
+    while (kw < 8 && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= 4) kw *= 2;
     return kw;
 }
 
@@ -374,7 +380,7 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     int ok = 1;
     if (e->mode != LIN_SIMPLE && e->mode != LIN_DENSE) { /* repacked on the device */
         const int ng = cols / e->lgs, q = e->mode == LIN_Q, quant = e->mode != DFK_MMA_BF16;
-        e->KW = q ? choose_kw_q(rows, ng) : choose_kw(rows, ng);
+        e->KW = q ? choose_kw_q(rows, ng, cb->q_ring) : choose_kw(rows, ng);
         const size_t wpl = e->mode == DFK_MMA_BF16 ? (size_t)(e->lgs / 16) * 4 : (size_t)e->mode * (size_t)e->lgs / 64;
         const size_t nwords = q ? dfk_q_code_words(rows, cols, L->bits, L->group_size)
                                 : (size_t)tiles * (size_t)ng * 32 * wpl;
@@ -443,7 +449,7 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
  * decoded token. Replays run exactly the kernels with exactly the arguments of an eager run:
  * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly. */
 
-#define CMD_ARGS 320
+#define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
 #define DF_CUDA_STAGE_BYTES ((size_t)32 << 20)
 #define DF_CUDA_MAX_GRAPHS 256
@@ -506,6 +512,10 @@ static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *ar
         }
         cb->cmds = n;
         cb->cap_cmds = cap;
+    }
+    if (size > CMD_ARGS) { /* a programming error: the struct outgrew the command */
+        fail(cb, "CUDA backend: %s: %zu bytes of arguments, at most %d", what, size, CMD_ARGS);
+        return;
     }
     cmd *c = &cb->cmds[cb->n_cmds++];
     memset(c, 0, sizeof *c);
@@ -914,14 +924,17 @@ static int run_qprep(cuda_backend *cb, const void *args) {
 }
 
 typedef struct a_qlin {
-    int bits, gs, sb_bf16, M, TR, n;
+    int bits, gs, sb_bf16, M, n;
+    dfk_qsched sched;
     dfk_qlin l[DFK_QMAX];
 } a_qlin;
+
+_Static_assert(sizeof(a_qlin) <= CMD_ARGS, "a_qlin must fit in a command");
 
 static int run_qlin(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_qlin *a = args;
-    return dfk_linear_q(a->bits, a->gs, a->sb_bf16, a->M, a->TR, a->n, a->l);
+    return dfk_linear_q(a->bits, a->gs, a->sb_bf16, a->M, a->sched, a->n, a->l);
 }
 
 typedef struct a_dlin {
@@ -1002,9 +1015,9 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         dnorm = NULL;
         v = hh;
     }
+    a_qprep p;
+    memset(&p, 0, sizeof p);
     if (nq || v != x) {
-        a_qprep p;
-        memset(&p, 0, sizeof p);
         p.x = x;
         p.up = up;
         p.norm_w = dnorm;
@@ -1048,7 +1061,9 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         q.gs = es[i]->lgs;
         q.sb_bf16 = Ws[i]->sdtype == DF_DTYPE_BF16;
         q.M = mm;
-        q.TR = dfk_linear_q_max_tr(mm);
+        q.sched.TR = dfk_linear_q_max_tr(mm);
+        q.sched.ring = cb->q_ring;
+        q.sched.ctas = cb->q_ctas;
         for (int j = i; j < n && q.n < DFK_QMAX; j++) {
             if (es[j]->mode != LIN_Q) continue;
             if (Ws[j]->bits != q.bits || es[j]->lgs != q.gs || (Ws[j]->sdtype == DF_DTYPE_BF16) != q.sb_bf16) break;
@@ -1066,7 +1081,7 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
             k++;
             const int tiles = (Ws[j]->rows + 15) / 16, RW = 8 / es[j]->KW;
             const int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
-            if (tr < q.TR) q.TR = tr;
+            if (tr < q.sched.TR) q.sched.TR = tr;
             i = j + 1;
         }
         record(cb, run_qlin, "linear", &q, sizeof q);
@@ -1478,6 +1493,12 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_persistent(qp && strcmp(qp, "1") == 0);
     const char *qpf = getenv("DFLASH_CUDA_QPREFETCH");
     dfk_set_q_prefetch(!(qpf && strcmp(qpf, "0") == 0));
+    /* DFLASH_CUDA_QRING=0|1: the fixed-point linear's kernel (dfk_linear_q; the same bits in
+     * either) */
+    const char *qring = getenv("DFLASH_CUDA_QRING");
+    cb->q_ring = qring && strcmp(qring, "0") == 0 ? 0 : 1;
+    const char *qct = getenv("DFLASH_CUDA_QCTAS"); /* persistent grid size (tests: many units per CTA) */
+    cb->q_ctas = qct && atoi(qct) > 0 ? atoi(qct) : 0;
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");
     dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");

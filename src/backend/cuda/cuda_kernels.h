@@ -134,10 +134,18 @@ typedef struct dfk_qlin {
     float *y;
 } dfk_qlin;
 
+/* How dfk_linear_q distributes its work (never its bits). ring: 0 = codes loaded in batches
+ * into registers, TR 16-row tiles per warp (capped at dfk_linear_q_max_tr(M)), one CTA per
+ * work unit (k_lin_q); 1 = one tile per warp, each warp streaming its steps through a ring in
+ * shared memory filled by cp.async, on a persistent grid of `ctas` CTAs (0: as many as fit on
+ * the device at once) (k_lin_qr). */
+typedef struct dfk_qsched {
+    int TR, ring, ctas;
+} dfk_qsched;
+
 /* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one
- * launch. TR: 16-row tiles per warp (work distribution only; capped at
- * dfk_linear_q_max_tr(M)). */
-int dfk_linear_q(int bits, int gs, int sb_bf16, int M, int TR, int n, const dfk_qlin *lins);
+ * launch. */
+int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins);
 int dfk_linear_q_max_tr(int M);
 
 /* Dense 16-bit linears on CUDA cores: y[M, rows] (+)= W x for W f16 (wdtype 0) or bf16 (1)

@@ -264,21 +264,17 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
     }
 }
 
-/* The same for seg <= 1024 with the segment in registers: thread tid holds elements
- * 4tid..4tid+3; the Hadamard butterflies run in registers (distance 1, 2), across lanes
- * (4..64) and through shared memory (128..512), each pair (a, b) -> (a + b, a − b) at each
- * distance in the order of df_hadamard_inplace, so the values are those of the general kernel. */
-__global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float *up, const float *norm_w, float eps,
-                                                    int cols, int seg, float *h, const __grid_constant__ qprep_args P) {
-    __shared__ float red[8];
-    __shared__ float xs[1024];
-    pdl_trigger();
-    pdl_wait();
-    const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z, tid = threadIdx.x;
-    const int lane = tid & 31;
-    const float *xr = x + (size_t)m * (size_t)cols;
-    const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
-    const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
+/* The preparation of segment [s0, s0 + seg) of row m (seg <= 1024, a multiple of 4) by a
+ * block of 256 threads, the segment in registers: thread tid holds elements 4tid..4tid+3 of
+ * v = x (or silu(x)·up), times inv·norm_w when norm_w; writes them to hr (row m of h) when not
+ * NULL; then, when O.xq, O's rotation and quantization. The Hadamard butterflies run in
+ * registers (distance 1, 2), across lanes (4..64) and through xs (1024 floats of shared
+ * memory; 128..512), each pair (a, b) -> (a + b, a − b) at each distance in the order of
+ * df_hadamard_inplace, so the values are those of k_qprep. Every thread of the block calls it. */
+static __device__ __forceinline__ void q_prep_seg(const float *xr, const float *ur, const float *norm_w, float inv,
+                                                  int cols, int s0, int seg, float *hr, const dfk_qout &O, int m,
+                                                  float *xs) {
+    const int tid = threadIdx.x, lane = tid & 31;
     const bool act = 4 * tid < seg;
     const int e0 = s0 + 4 * tid;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -299,9 +295,8 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
 #pragma unroll
             for (int j = 0; j < 4; j++) v[j] = (v[j] * inv) * norm_w[e0 + j];
         }
-        if (h && oi == 0) *reinterpret_cast<float4 *>(h + (size_t)m * (size_t)cols + e0) = make_float4(v[0], v[1], v[2], v[3]);
+        if (hr) *reinterpret_cast<float4 *>(hr + e0) = make_float4(v[0], v[1], v[2], v[3]);
     }
-    const dfk_qout &O = P.o[oi];
     if (!O.xq) return;
     const int hb = O.hb;
     if (hb > 0) {
@@ -354,6 +349,21 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     q_group(O, m, cols / O.gs, (s0 + 4 * tid) / O.gs, tid % lpg, act, v);
 }
 
+/* q_prep_seg for block (m, segment, output o). */
+__global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float *up, const float *norm_w, float eps,
+                                                    int cols, int seg, float *h, const __grid_constant__ qprep_args P) {
+    __shared__ float red[8];
+    __shared__ float xs[1024];
+    pdl_trigger();
+    pdl_wait();
+    const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z;
+    const float *xr = x + (size_t)m * (size_t)cols;
+    const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
+    const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
+    q_prep_seg(xr, ur, norm_w, inv, cols, s0, seg, (h && oi == 0) ? h + (size_t)m * (size_t)cols : NULL, P.o[oi], m,
+               xs);
+}
+
 extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,
                          float *h, int n, const dfk_qout *outs) {
     if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || seg <= 0 || cols % seg != 0 || seg > DFK_QPREP_MAX_SEG)
@@ -401,6 +411,10 @@ struct qlaunch {
     int start[DFK_QMAX + 1];
     int n, M, sb_bf16;
     int prefetch; /* 1: L2 prefetch of each warp's next batch of codes */
+    int ring;     /* the kernel: 0 = k_lin_q, 1 = k_lin_qr (persistent) */
+    int ctas;     /* k_lin_qr: CTAs (0: as many as fit) */
+    int kwl[DFK_QMAX]; /* log2 of each linear's KW */
+    int ring_off; /* k_lin_qr: byte offset of the rings in dynamic shared memory */
 };
 
 template <int VEC>
@@ -524,6 +538,133 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
     }
 }
 
+/* One group's MMAs and epilogue for TR tiles and NT n-tiles (file comment): the codes w of
+ * each tile (this lane's words), its scale/bias word pair sbv, the B fragments bq and the
+ * rows' 2^E and S·2^E; adds the group's terms to yv in the fixed order. */
+template <int BITS, int GS, int NT, int TR>
+static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<BITS, GS, NT, TR>::WPL],
+                                                   const uint2 (&sbv)[TR],
+                                                   const uint32_t (&bq)[NT][qcfg<BITS, GS, NT, TR>::KBG][2],
+                                                   const float (&xe)[NT], const float (&xs)[NT], int sb_bf16,
+                                                   float (&yv)[TR][NT][2]) {
+    typedef qcfg<BITS, GS, NT, TR> C;
+    constexpr int KBG = C::KBG, RPW = C::RPW;
+    /* two accumulator chains (even and odd k-blocks: shorter dependency chains of MMAs); the
+     * integer sums are exact, so their order does not matter */
+    int D[2][TR][NT][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) D[h][tr][nt][0] = D[h][tr][nt][1] = D[h][tr][nt][2] = D[h][tr][nt][3] = 0;
+#pragma unroll
+    for (int kb = 0; kb < KBG; kb++)
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++) {
+            uint32_t a[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int wi = kb * (4 / RPW) + j / RPW;
+                a[j] = (w[tr][wi] >> (BITS * (j % RPW))) & C::MASK;
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) imma(D[kb & 1][tr][nt], a, bq[nt][kb]);
+        }
+    /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the planes
+     * combine exactly: D = 256·high + low */
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++) {
+        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = q_h16(sbv[tr].x >> 16, sb_bf16);
+        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = q_h16(sbv[tr].y >> 16, sb_bf16);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int d0 = (D[0][tr][nt][0] + D[1][tr][nt][0]) * 256 + (D[0][tr][nt][1] + D[1][tr][nt][1]);
+            const int d1 = (D[0][tr][nt][2] + D[1][tr][nt][2]) * 256 + (D[0][tr][nt][3] + D[1][tr][nt][3]);
+            const float e = xe[nt], sx = xs[nt];
+            yv[tr][nt][0] = yv[tr][nt][0] + (s0 * ((float)d0 * e) + b0 * sx);
+            yv[tr][nt][1] = yv[tr][nt][1] + (s1 * ((float)d1 * e) + b1 * sx);
+        }
+    }
+}
+
+/* The end of a unit: the KW K-slice partial sums of each tile added in order kw = 0..KW−1
+ * (through shared memory; every warp of the CTA calls it), then warp kw = 0 stores (or adds
+ * to) y. */
+template <int NT, int TR>
+static __device__ __forceinline__ void q_finish(const dfk_qlin &L, float (*red)[TR * NT * 2][32], float (&yv)[TR][NT][2],
+                                                int KW, int kw, int warp, int lane, int g, int t, int M, int tile0,
+                                                const bool (&tvalid)[TR]) {
+    if (KW > 1) {
+        __syncthreads(); /* red may still be read by the previous unit */
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
+                red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
+            }
+        __syncthreads();
+        if (kw == 0) {
+#pragma unroll
+            for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
+                    for (int k = 1; k < KW; k++) {
+                        a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
+                        a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
+                    }
+                    yv[tr][nt][0] = a0;
+                    yv[tr][nt][1] = a1;
+                }
+        }
+    }
+    if (kw == 0) {
+        float *y = L.y;
+        const int rows = L.rows;
+#pragma unroll
+        for (int tr = 0; tr < TR; tr++) {
+            if (!tvalid[tr]) continue;
+            const int r0 = (tile0 + tr) * 16 + g, r1 = r0 + 8;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int m = 4 * nt + t;
+                if (m >= M) continue;
+                float *yr = y + (size_t)m * (size_t)rows;
+                if (r0 < rows) yr[r0] = L.add ? __ldcg(&yr[r0]) + yv[tr][nt][0] : yv[tr][nt][0];
+                if (r1 < rows) yr[r1] = L.add ? __ldcg(&yr[r1]) + yv[tr][nt][1] : yv[tr][nt][1];
+            }
+        }
+    }
+}
+
+/* The prepared input of linear di (planes, 2^E, S·2^E) copied into the CTA's shared memory
+ * (once per linear: staged holds the linear whose copy is there); every thread of the CTA
+ * calls it. Points bxq, bxe, bxs at the copy. */
+template <int GS>
+static __device__ __forceinline__ void q_stage_input(const dfk_qlin &L, int M, unsigned char *qsm, int di, int &staged,
+                                                     const uint32_t *&bxq, const float *&bxe, const float *&bxs) {
+    const int ng = L.cols / GS;
+    const size_t nq = (size_t)M * 2 * (size_t)L.cols / 16, ne = (size_t)M * (size_t)ng;
+    float *se = reinterpret_cast<float *>(qsm + nq * 16);
+    if (staged != di) {
+        __syncthreads(); /* the previous linear's copy may still be read */
+        const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
+        uint4 *sq = reinterpret_cast<uint4 *>(qsm);
+        for (size_t i = threadIdx.x; i < nq; i += 256) sq[i] = __ldcg(gq + i);
+        for (size_t i = threadIdx.x; i < ne; i += 256) {
+            se[i] = __ldcg(L.xe + i);
+            se[ne + i] = __ldcg(L.xsx + i);
+        }
+        __syncthreads();
+        staged = di;
+    }
+    bxq = reinterpret_cast<const uint32_t *>(qsm);
+    bxe = se;
+    bxs = se + ne;
+}
+
 /* Work unit u of a launch: linear di = the last with ustart[di] <= u, its tiles
  * (u − ustart[di])·RW·TR + rw·TR ... . */
 static __device__ __forceinline__ int q_unit_lin(const qlaunch &P, int u) {
@@ -540,7 +681,7 @@ static __device__ __forceinline__ int q_unit_lin(const qlaunch &P, int u) {
 template <int BITS, int GS, int NT, int TR, int MINB, bool SMB>
 __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, TR> C;
-    constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, RPW = C::RPW, GP = C::GP;
+    constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, GP = C::GP;
     __shared__ float red[8][TR * NT * 2][32];
     extern __shared__ __align__(16) unsigned char qsm[];
     pdl_trigger();
@@ -584,25 +725,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
         for (int tr = 0; tr < TR; tr++) tvalid[tr] = tile0 + tr < tiles;
         const uint32_t *bxq = L.xq;
         const float *bxe = L.xe, *bxs = L.xsx;
-        if constexpr (SMB) { /* the prepared input of linear di in shared memory (once per linear) */
-            const size_t nq = (size_t)M * 2 * (size_t)L.cols / 16, ne = (size_t)M * (size_t)ng;
-            float *se = reinterpret_cast<float *>(qsm + nq * 16);
-            if (staged != di) {
-                __syncthreads(); /* the previous linear's copy may still be read */
-                const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
-                uint4 *sq = reinterpret_cast<uint4 *>(qsm);
-                for (size_t i = threadIdx.x; i < nq; i += 256) sq[i] = __ldcg(gq + i);
-                for (size_t i = threadIdx.x; i < ne; i += 256) {
-                    se[i] = __ldcg(L.xe + i);
-                    se[ne + i] = __ldcg(L.xsx + i);
-                }
-                __syncthreads();
-                staged = di;
-            }
-            bxq = reinterpret_cast<const uint32_t *>(qsm);
-            bxe = se;
-            bxs = se + ne;
-        }
+        if constexpr (SMB) q_stage_input<GS>(L, M, qsm, di, staged, bxq, bxe, bxs);
 
         float yv[TR][NT][2];
 #pragma unroll
@@ -633,83 +756,267 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
                         q_load_b<KBG, SMB>(bxq, bxe, bxs, M, ng, grp + KW, nt, g, t, bq[(gi + 1) & 1][nt],
                                            xe[(gi + 1) & 1][nt], xs[(gi + 1) & 1][nt]);
                 }
-                int D[TR][NT][4];
-#pragma unroll
-                for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) D[tr][nt][0] = D[tr][nt][1] = D[tr][nt][2] = D[tr][nt][3] = 0;
-#pragma unroll
-                for (int kb = 0; kb < KBG; kb++)
-#pragma unroll
-                    for (int tr = 0; tr < TR; tr++) {
-                        uint32_t a[4];
-#pragma unroll
-                        for (int j = 0; j < 4; j++) {
-                            const int wi = kb * (4 / RPW) + j / RPW;
-                            a[j] = (wr[gi][tr][wi] >> (BITS * (j % RPW))) & C::MASK;
-                        }
-#pragma unroll
-                        for (int nt = 0; nt < NT; nt++) imma(D[tr][nt], a, bq[gi & 1][nt][kb]);
-                    }
-                /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the
-                 * planes combine exactly: D = 256·high + low */
-#pragma unroll
-                for (int tr = 0; tr < TR; tr++) {
-                    const float s0 = q_h16(sbv[gi][tr].x, sb_bf16), b0 = q_h16(sbv[gi][tr].x >> 16, sb_bf16);
-                    const float s1 = q_h16(sbv[gi][tr].y, sb_bf16), b1 = q_h16(sbv[gi][tr].y >> 16, sb_bf16);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const int d0 = D[tr][nt][0] * 256 + D[tr][nt][1], d1 = D[tr][nt][2] * 256 + D[tr][nt][3];
-                        const float e = xe[gi & 1][nt], sx = xs[gi & 1][nt];
-                        yv[tr][nt][0] = yv[tr][nt][0] + (s0 * ((float)d0 * e) + b0 * sx);
-                        yv[tr][nt][1] = yv[tr][nt][1] + (s1 * ((float)d1 * e) + b1 * sx);
-                    }
-                }
+                q_mma_group<BITS, GS, NT, TR>(wr[gi], sbv[gi], bq[gi & 1], xe[gi & 1], xs[gi & 1], sb_bf16, yv);
             }
         }
         preloaded = false; /* (a warp without groups in this unit never used its preload) */
-        if (KW > 1) {
-            __syncthreads(); /* red may still be read by the previous unit */
+        q_finish<NT, TR>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
+    }
+}
+
+/* ---- the streaming variant: a ring of code tiles in shared memory ---------------------------
+ *
+ * Same units, K-slices and arithmetic as k_lin_q (q_mma_group, q_finish: the same bits), one
+ * tile per warp, on a persistent grid: CTA c runs the units [c·U/G, (c+1)·U/G) and each warp
+ * streams its (unit, group) steps through a ring of QS slots in shared memory filled by
+ * cp.async, QS − 1 steps ahead, across the ends of units and linears. A lane copies its own
+ * code words and scale/bias pair of a step and reads back only those: its own
+ * cp.async.wait_group is the only synchronization the ring needs. The per-step work is kept to
+ * pointer increments (the decode is bound by instruction issue as much as by memory). */
+
+template <int BYTES>
+static __device__ __forceinline__ void cp_async(uint32_t saddr, const void *gmem) {
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(gmem) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(saddr), "l"(gmem), "n"(BYTES) : "memory");
+}
+static __device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void cp_async_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Ring slots per warp and bytes per slot (the lane's code words, then its scale/bias pair). */
+template <int WPL>
+struct qring {
+    static constexpr int QS = WPL <= 4 ? 8 : (WPL <= 8 ? 4 : 2);
+    static constexpr int SLOT = (WPL + 2) * 32 * 4;
+    static constexpr int BYTES = 8 * QS * SLOT; /* 8 warps */
+};
+
+/* A warp's copy cursor: the global addresses of its lane's words of the next step to copy,
+ * the steps left in that unit, the unit, and the byte strides of a step. */
+struct q_icur {
+    const char *codes, *sb;
+    int left, u, di;
+    unsigned step_c, step_s;
+};
+
+/* Points the cursor at the first step of unit u (or of the first later unit with steps for
+ * this warp; c.u == u_end: none left). di: the linear of unit u (units only move forward). */
+template <int BITS, int GS>
+static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int u_end, int di, int warp, int lane,
+                                                   int g, q_icur &c) {
+    typedef qcfg<BITS, GS, 1, 1> C;
+    for (; u < u_end; u++) {
+        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        const dfk_qlin &L = P.d[di];
+        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
+        const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        const int nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
+        if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
+        const size_t tg = (size_t)tile * (size_t)ng + (size_t)kw;
+        c.codes = reinterpret_cast<const char *>(L.codes + (tg * C::NVEC * 32 + (size_t)lane) * C::VEC);
+        c.sb = reinterpret_cast<const char *>(L.sb + (tg * 8 + (size_t)g) * 2);
+        c.left = nj;
+        c.step_c = (unsigned)(KW * C::WPL * 128);
+        c.step_s = (unsigned)(KW * 64);
+        break;
+    }
+    c.u = u;
+    c.di = di;
+}
+
+/* Issues the copies of the cursor's step into the ring slot at shared address saddr and
+ * advances the cursor (nothing when no step is left). */
+template <int BITS, int GS>
+static __device__ __forceinline__ void q_icur_issue(const qlaunch &P, int u_end, int warp, int lane, int g,
+                                                    uint32_t saddr, q_icur &c) {
+    typedef qcfg<BITS, GS, 1, 1> C;
+    constexpr int VEC = C::VEC, NVEC = C::NVEC, WPL = C::WPL;
+    if (c.u >= u_end) return;
 #pragma unroll
-            for (int tr = 0; tr < TR; tr++)
+    for (int v = 0; v < NVEC; v++)
+        cp_async<VEC * 4>(saddr + (uint32_t)(lane * 4 * VEC + v * 128 * VEC), c.codes + v * 128 * VEC);
+    cp_async<8>(saddr + (uint32_t)(WPL * 128 + lane * 8), c.sb);
+    c.codes += c.step_c;
+    c.sb += c.step_s;
+    if (--c.left == 0) q_icur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, lane, g, c);
+}
+
+/* One step of a warp: waits for its ring slot, reads the lane's codes and scale/bias pair,
+ * loads the next step's B fragments (bn, en, sn: pointers advanced by one step) and adds the
+ * group's terms (q_mma_group) using the current ones (b, e, s). */
+template <int BITS, int GS, int NT, int QS, bool SMB>
+static __device__ __forceinline__ void q_ring_step(uint32_t caddr, int lane, bool more,
+                                                   const uint32_t (&b)[NT][qcfg<BITS, GS, NT, 1>::KBG][2],
+                                                   const float (&e)[NT], const float (&sx)[NT],
+                                                   uint32_t (&bn)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&en)[NT],
+                                                   float (&sn)[NT], const uint4 *const (&bp)[NT],
+                                                   const float *const (&ep)[NT], const float *const (&sp)[NT],
+                                                   const bool (&bok)[NT], const bool (&eok)[NT], int sb_bf16,
+                                                   float (&yv)[1][NT][2]) {
+    typedef qcfg<BITS, GS, NT, 1> C;
+    constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC;
+    if (more) {
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
-                    red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
+        for (int nt = 0; nt < NT; nt++) {
+            if (bok[nt]) {
+#pragma unroll
+                for (int k = 0; k < KBG / 2; k++) {
+                    const uint4 v = SMB ? bp[nt][k] : __ldcg(bp[nt] + k);
+                    bn[nt][2 * k][0] = v.x;
+                    bn[nt][2 * k][1] = v.y;
+                    bn[nt][2 * k + 1][0] = v.z;
+                    bn[nt][2 * k + 1][1] = v.w;
                 }
-            __syncthreads();
-            if (kw == 0) {
+            } else {
 #pragma unroll
-                for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
-                        for (int k = 1; k < KW; k++) {
-                            a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
-                            a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
-                        }
-                        yv[tr][nt][0] = a0;
-                        yv[tr][nt][1] = a1;
-                    }
+                for (int k = 0; k < KBG; k++) bn[nt][k][0] = bn[nt][k][1] = 0u;
             }
-        }
-        if (kw == 0) {
-            float *y = L.y;
-#pragma unroll
-            for (int tr = 0; tr < TR; tr++) {
-                if (!tvalid[tr]) continue;
-                const int r0 = (tile0 + tr) * 16 + g, r1 = r0 + 8;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const int m = 4 * nt + t;
-                    if (m >= M) continue;
-                    float *yr = y + (size_t)m * (size_t)rows;
-                    if (r0 < rows) yr[r0] = L.add ? __ldcg(&yr[r0]) + yv[tr][nt][0] : yv[tr][nt][0];
-                    if (r1 < rows) yr[r1] = L.add ? __ldcg(&yr[r1]) + yv[tr][nt][1] : yv[tr][nt][1];
-                }
-            }
+            en[nt] = eok[nt] ? (SMB ? *ep[nt] : __ldcg(ep[nt])) : 0.0f;
+            sn[nt] = eok[nt] ? (SMB ? *sp[nt] : __ldcg(sp[nt])) : 0.0f;
         }
     }
+    cp_async_wait<QS - 1>();
+    uint32_t w[1][WPL];
+    uint2 sbv[1];
+#pragma unroll
+    for (int v = 0; v < NVEC; v++) {
+        const uint32_t a = caddr + (uint32_t)(lane * 4 * VEC + v * 128 * VEC);
+        if constexpr (VEC == 4)
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(w[0][v * VEC]), "=r"(w[0][v * VEC + (VEC > 1 ? 1 : 0)]),
+                           "=r"(w[0][v * VEC + (VEC > 2 ? 2 : 0)]), "=r"(w[0][v * VEC + (VEC > 3 ? 3 : 0)])
+                         : "r"(a)
+                         : "memory");
+        else if constexpr (VEC == 2)
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                         : "=r"(w[0][v * VEC]), "=r"(w[0][v * VEC + (VEC > 1 ? 1 : 0)])
+                         : "r"(a)
+                         : "memory");
+        else
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[0][v * VEC]) : "r"(a) : "memory");
+    }
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                 : "=r"(sbv[0].x), "=r"(sbv[0].y)
+                 : "r"(caddr + (uint32_t)(WPL * 128 + lane * 8))
+                 : "memory");
+    q_mma_group<BITS, GS, NT, 1>(w, sbv, b, e, sx, sb_bf16, yv);
+}
+
+template <int BITS, int GS, int NT, int MINB, bool SMB, int SBF>
+__global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ qlaunch P) {
+    typedef qcfg<BITS, GS, NT, 1> C;
+    typedef qring<C::WPL> R;
+    constexpr int KBG = C::KBG, QS = R::QS, SLOT = R::SLOT;
+    __shared__ float red[8][NT * 2][32];
+    extern __shared__ __align__(16) unsigned char qsm[];
+    pdl_trigger();
+    const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
+    const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int M = P.M;
+    /* this warp's ring of QS slots */
+    const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(qsm + P.ring_off) + (uint32_t)(warp * QS * SLOT);
+    const uint32_t ring_end = ring0 + (uint32_t)(QS * SLOT);
+    /* the first QS steps' copies, issued before waiting for the previous kernel (weights do
+     * not depend on it); one commit group per step, empty ones past the end */
+    q_icur ic;
+    q_icur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, lane, g, ic);
+#pragma unroll 1
+    for (int k = 0; k < QS; k++) {
+        q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, ring0 + (uint32_t)(k * SLOT), ic);
+        cp_async_commit();
+    }
+    pdl_wait();
+    int staged = -1, di = 0;
+    uint32_t caddr = ring0;
+    for (int u = u_begin; u < u_end; u++) {
+        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        const dfk_qlin &L = P.d[di];
+        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS, tiles = (L.rows + 15) / 16;
+        const int tile0 = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        const bool tvalid[1] = {tile0 < tiles};
+        const int nj = (tvalid[0] && kw < ng) ? (ng - kw + KW - 1) >> kwl : 0;
+        const uint32_t *bxq = L.xq;
+        const float *bxe = L.xe, *bxs = L.xsx;
+        if constexpr (SMB) q_stage_input<GS>(L, M, qsm, di, staged, bxq, bxe, bxs);
+        float yv[1][NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) yv[0][nt][0] = yv[0][nt][1] = 0.0f;
+        /* B fragment pointers at group kw (lane (g, t): data row 4nt + g/2, plane g % 2; its
+         * 2^E and S·2^E: row 4nt + t), advanced by KW groups per step */
+        const uint4 *bp[NT];
+        const float *ep[NT], *sp[NT];
+        bool bok[NT], eok[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t;
+            bok[nt] = m < M;
+            eok[nt] = mt < M;
+            bp[nt] = reinterpret_cast<const uint4 *>(bxq) +
+                     ((((size_t)(bok[nt] ? m : 0) * 2 + (size_t)p) * (size_t)ng + (size_t)kw) * 4 + (size_t)t) * (KBG / 2);
+            ep[nt] = bxe + (size_t)(eok[nt] ? mt : 0) * (size_t)ng + (size_t)kw;
+            sp[nt] = bxs + (size_t)(eok[nt] ? mt : 0) * (size_t)ng + (size_t)kw;
+        }
+        const size_t bstep = (size_t)KW * 4 * (KBG / 2);
+        uint32_t b0[NT][KBG][2], b1[NT][KBG][2];
+        float e0[NT], s0[NT], e1[NT], s1[NT];
+        /* step 0's fragments, then two steps per iteration (the buffers alternate) */
+#define Q_ADVANCE()                                                                                                    \
+    do {                                                                                                               \
+        _Pragma("unroll") for (int nt = 0; nt < NT; nt++) {                                                            \
+            bp[nt] += bstep;                                                                                           \
+            ep[nt] += KW;                                                                                              \
+            sp[nt] += KW;                                                                                              \
+        }                                                                                                              \
+    } while (0)
+        if (nj > 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                if (bok[nt]) {
+#pragma unroll
+                    for (int k = 0; k < KBG / 2; k++) {
+                        const uint4 v = SMB ? bp[nt][k] : __ldcg(bp[nt] + k);
+                        b0[nt][2 * k][0] = v.x;
+                        b0[nt][2 * k][1] = v.y;
+                        b0[nt][2 * k + 1][0] = v.z;
+                        b0[nt][2 * k + 1][1] = v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < KBG; k++) b0[nt][k][0] = b0[nt][k][1] = 0u;
+                }
+                e0[nt] = eok[nt] ? (SMB ? *ep[nt] : __ldcg(ep[nt])) : 0.0f;
+                s0[nt] = eok[nt] ? (SMB ? *sp[nt] : __ldcg(sp[nt])) : 0.0f;
+            }
+            Q_ADVANCE();
+        }
+#pragma unroll 1
+        for (int j = 0; j < nj; j += 2) {
+            q_ring_step<BITS, GS, NT, QS, SMB>(caddr, lane, j + 1 < nj, b0, e0, s0, b1, e1, s1, bp, ep, sp, bok, eok,
+                                                SBF, yv);
+            Q_ADVANCE();
+            q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, caddr, ic);
+            cp_async_commit();
+            caddr += SLOT;
+            if (caddr == ring_end) caddr = ring0;
+            if (j + 1 < nj) {
+                q_ring_step<BITS, GS, NT, QS, SMB>(caddr, lane, j + 2 < nj, b1, e1, s1, b0, e0, s0, bp, ep, sp, bok,
+                                                    eok, SBF, yv);
+                Q_ADVANCE();
+                q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, caddr, ic);
+                cp_async_commit();
+                caddr += SLOT;
+                if (caddr == ring_end) caddr = ring0;
+            }
+        }
+#undef Q_ADVANCE
+        q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
+    }
+    cp_async_wait<0>();
 }
 
 template <int BITS, int GS, int NT, int TR>
@@ -752,8 +1059,51 @@ static int launch_q(const qlaunch &P, unsigned units) {
     return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, false>, dim3(blocks), dim3(256), 0, P);
 }
 
+/* Shared memory a k_lin_qr CTA may take for the input copy and the rings. */
+#define QR_SMEM_MAX (200 * 1024)
+
+/* k_lin_qr on a persistent grid: G CTAs (P.ctas, or as many as fit on the device at once,
+ * lowered so that every CTA runs ceil(U/G) or one unit fewer); the input copy in shared
+ * memory when it fits beside the rings. */
+template <int BITS, int GS, int NT>
+static int launch_qr(qlaunch P, unsigned units) {
+    constexpr int MINB = NT == 1 ? 3 : (NT == 2 ? 2 : 1);
+    typedef qring<qcfg<BITS, GS, NT, 1>::WPL> R;
+    size_t in = 0;
+    for (int i = 0; i < P.n; i++) {
+        const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
+        if (b > in) in = b;
+    }
+    in = (in + 15) & ~(size_t)15;
+    const bool smb = g_qsmem && in + R::BYTES <= QR_SMEM_MAX;
+    P.ring_off = smb ? (int)in : 0;
+    const size_t smem = (smb ? in : 0) + R::BYTES;
+    void (*kern)(qlaunch) = P.sb_bf16 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 1> : k_lin_qr<BITS, GS, NT, MINB, false, 1>)
+                                      : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 0> : k_lin_qr<BITS, GS, NT, MINB, false, 0>);
+    const int ki = (smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0);
+    static bool attr[4] = {false, false, false, false};
+    static size_t occ_smem[4] = {0, 0, 0, 0};
+    static int occ[4] = {0, 0, 0, 0};
+    if (!attr[ki]) {
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, QR_SMEM_MAX);
+        attr[ki] = true;
+    }
+    if (occ_smem[ki] != smem) {
+        int per = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, 256, smem) != cudaSuccess || per < 1) per = 1;
+        occ[ki] = per;
+        occ_smem[ki] = smem;
+    }
+    unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * occ[ki]);
+    if (blocks > units) blocks = units;
+    const unsigned per = (units + blocks - 1) / blocks;
+    blocks = (units + per - 1) / per;
+    return launch_pdl(kern, dim3(blocks), dim3(256), smem, P);
+}
+
 template <int BITS, int GS, int NT>
 static int launch_q_tr(const qlaunch &P, unsigned blocks, int TR) {
+    if (P.ring) return launch_qr<BITS, GS, NT>(P, blocks);
     if constexpr (NT == 1) {
         if (TR >= 4) return launch_q<BITS, GS, NT, 4>(P, blocks);
     }
@@ -775,19 +1125,26 @@ static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
 
 extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
 
-extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, int TR, int n, const dfk_qlin *lins) {
-    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1) return (int)cudaErrorInvalidValue;
+extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
+    int TR = sched.TR;
+    const int ring = sched.ring;
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1 || ring < 0 || ring > 1 || sched.ctas < 0)
+        return (int)cudaErrorInvalidValue;
     if (TR > dfk_linear_q_max_tr(M)) TR = dfk_linear_q_max_tr(M);
+    if (ring) TR = 1; /* k_lin_qr: one tile per warp */
     qlaunch P = {};
     P.n = n;
     P.M = M;
     P.sb_bf16 = sb_bf16;
     P.prefetch = g_q_prefetch;
+    P.ring = ring;
+    P.ctas = sched.ctas;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
         if (KW != 1 && KW != 2 && KW != 4 && KW != 8) return (int)cudaErrorInvalidValue;
         P.d[i] = lins[i];
+        P.kwl[i] = KW == 8 ? 3 : (KW == 4 ? 2 : (KW == 2 ? 1 : 0));
         P.start[i] = blocks;
         const int tiles = (lins[i].rows + 15) / 16, per = (8 / KW) * TR;
         blocks += (tiles + per - 1) / per;
