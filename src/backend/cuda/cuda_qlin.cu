@@ -845,6 +845,61 @@ static __device__ __forceinline__ void q_icur_issue(const qlaunch &P, int u_end,
     if (--c.left == 0) q_icur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, lane, g, c);
 }
 
+/* One step's B fragments and 2^E, S·2^E through the step pointers (zeros for rows >= M). */
+template <int KBG, int NT, bool SMB>
+static __device__ __forceinline__ void q_load_bfrag(const uint4 *const (&bp)[NT], const float *const (&ep)[NT],
+                                                    const float *const (&sp)[NT], const bool (&bok)[NT],
+                                                    const bool (&eok)[NT], uint32_t (&b)[NT][KBG][2], float (&e)[NT],
+                                                    float (&sx)[NT]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        if (bok[nt]) {
+#pragma unroll
+            for (int k = 0; k < KBG / 2; k++) {
+                const uint4 v = SMB ? bp[nt][k] : __ldcg(bp[nt] + k);
+                b[nt][2 * k][0] = v.x;
+                b[nt][2 * k][1] = v.y;
+                b[nt][2 * k + 1][0] = v.z;
+                b[nt][2 * k + 1][1] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < KBG; k++) b[nt][k][0] = b[nt][k][1] = 0u;
+        }
+        e[nt] = eok[nt] ? (SMB ? *ep[nt] : __ldcg(ep[nt])) : 0.0f;
+        sx[nt] = eok[nt] ? (SMB ? *sp[nt] : __ldcg(sp[nt])) : 0.0f;
+    }
+}
+
+/* The lane's code words and scale/bias pair of the ring slot at shared address caddr. */
+template <int BITS, int GS>
+static __device__ __forceinline__ void q_ring_read(uint32_t caddr, int lane, uint32_t (&w)[qcfg<BITS, GS, 1, 1>::WPL],
+                                                   uint2 &sbv) {
+    typedef qcfg<BITS, GS, 1, 1> C;
+    constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC;
+#pragma unroll
+    for (int v = 0; v < NVEC; v++) {
+        const uint32_t a = caddr + (uint32_t)(lane * 4 * VEC + v * 128 * VEC);
+        if constexpr (VEC == 4)
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(w[v * VEC]), "=r"(w[v * VEC + (VEC > 1 ? 1 : 0)]), "=r"(w[v * VEC + (VEC > 2 ? 2 : 0)]),
+                           "=r"(w[v * VEC + (VEC > 3 ? 3 : 0)])
+                         : "r"(a)
+                         : "memory");
+        else if constexpr (VEC == 2)
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                         : "=r"(w[v * VEC]), "=r"(w[v * VEC + (VEC > 1 ? 1 : 0)])
+                         : "r"(a)
+                         : "memory");
+        else
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[v * VEC]) : "r"(a) : "memory");
+    }
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
+                 : "=r"(sbv.x), "=r"(sbv.y)
+                 : "r"(caddr + (uint32_t)(WPL * 128 + lane * 8))
+                 : "memory");
+}
+
 /* One step of a warp: waits for its ring slot, reads the lane's codes and scale/bias pair,
  * loads the next step's B fragments (bn, en, sn: pointers advanced by one step) and adds the
  * group's terms (q_mma_group) using the current ones (b, e, s). */
@@ -973,6 +1028,47 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
             sp[nt] += KW;                                                                                              \
         }                                                                                                              \
     } while (0)
+        if constexpr (SMB) {
+            /* B from shared memory: two steps per iteration, both loaded up front (no
+             * prefetch ring needed), their MMA chains independent */
+            int j = 0;
+#pragma unroll 1
+            for (; j + 1 < nj; j += 2) {
+                uint32_t ba[NT][KBG][2], bb[NT][KBG][2];
+                float ea[NT], sa[NT], eb[NT], sb2[NT];
+                q_load_bfrag<KBG, NT, true>(bp, ep, sp, bok, eok, ba, ea, sa);
+                Q_ADVANCE();
+                q_load_bfrag<KBG, NT, true>(bp, ep, sp, bok, eok, bb, eb, sb2);
+                Q_ADVANCE();
+                const uint32_t caddr2 = caddr + SLOT == ring_end ? ring0 : caddr + SLOT;
+                cp_async_wait<QS >= 2 ? QS - 2 : 0>();
+                uint32_t wa[1][C::WPL], wb[1][C::WPL];
+                uint2 sva[1], svb[1];
+                q_ring_read<BITS, GS>(caddr, lane, wa[0], sva[0]);
+                q_ring_read<BITS, GS>(caddr2, lane, wb[0], svb[0]);
+                q_mma_group<BITS, GS, NT, 1>(wa, sva, ba, ea, sa, SBF, yv);
+                q_mma_group<BITS, GS, NT, 1>(wb, svb, bb, eb, sb2, SBF, yv);
+                q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, caddr, ic);
+                cp_async_commit();
+                q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, caddr2, ic);
+                cp_async_commit();
+                caddr = caddr2 + SLOT == ring_end ? ring0 : caddr2 + SLOT;
+            }
+            if (j < nj) {
+                uint32_t ba[NT][KBG][2];
+                float ea[NT], sa[NT];
+                q_load_bfrag<KBG, NT, true>(bp, ep, sp, bok, eok, ba, ea, sa);
+                Q_ADVANCE();
+                cp_async_wait<QS - 1>();
+                uint32_t wa[1][C::WPL];
+                uint2 sva[1];
+                q_ring_read<BITS, GS>(caddr, lane, wa[0], sva[0]);
+                q_mma_group<BITS, GS, NT, 1>(wa, sva, ba, ea, sa, SBF, yv);
+                q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, caddr, ic);
+                cp_async_commit();
+                caddr = caddr + SLOT == ring_end ? ring0 : caddr + SLOT;
+            }
+        } else {
         if (nj > 0) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
@@ -1012,6 +1108,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
                 caddr += SLOT;
                 if (caddr == ring_end) caddr = ring0;
             }
+        }
         }
 #undef Q_ADVANCE
         q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
