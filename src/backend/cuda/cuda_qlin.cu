@@ -266,12 +266,13 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
 
 /* The preparation of segment [s0, s0 + seg) of row m (seg <= 1024, a multiple of 4) by a
  * block of 256 threads, the segment in registers: thread tid holds elements 4tid..4tid+3 of
- * v = x (or silu(x)·up), times inv·norm_w when norm_w; writes them to hr (row m of h) when not
+ * v = x (or silu(x)·up; xv, uv: this thread's x and up, loaded by the caller), times
+ * inv·norm_w when norm_w; writes them to hr (row m of h) when not
  * NULL; then, when O.xq, O's rotation and quantization. The Hadamard butterflies run in
  * registers (distance 1, 2), across lanes (4..64) and through xs (1024 floats of shared
  * memory; 128..512), each pair (a, b) -> (a + b, a − b) at each distance in the order of
  * df_hadamard_inplace, so the values are those of k_qprep. Every thread of the block calls it. */
-static __device__ __forceinline__ void q_prep_seg(const float *xr, const float *ur, const float *norm_w, float inv,
+static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, bool up, const float *norm_w, float inv,
                                                   int cols, int s0, int seg, float *hr, const dfk_qout &O, int m,
                                                   float *xs) {
     const int tid = threadIdx.x, lane = tid & 31;
@@ -279,13 +280,11 @@ static __device__ __forceinline__ void q_prep_seg(const float *xr, const float *
     const int e0 = s0 + 4 * tid;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (act) {
-        const float4 xv = __ldcg(reinterpret_cast<const float4 *>(xr + e0));
         v[0] = xv.x;
         v[1] = xv.y;
         v[2] = xv.z;
         v[3] = xv.w;
-        if (ur) {
-            const float4 uv = __ldcg(reinterpret_cast<const float4 *>(ur + e0));
+        if (up) {
             v[0] = dfk_silu(v[0]) * uv.x;
             v[1] = dfk_silu(v[1]) * uv.y;
             v[2] = dfk_silu(v[2]) * uv.z;
@@ -359,9 +358,15 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z;
     const float *xr = x + (size_t)m * (size_t)cols;
     const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
+    /* the segment's loads first: their latency overlaps the row sum's */
+    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), uv = xv;
+    if (4 * (int)threadIdx.x < seg) {
+        xv = __ldcg(reinterpret_cast<const float4 *>(xr + s0 + 4 * threadIdx.x));
+        if (ur) uv = __ldcg(reinterpret_cast<const float4 *>(ur + s0 + 4 * threadIdx.x));
+    }
     const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
-    q_prep_seg(xr, ur, norm_w, inv, cols, s0, seg, (h && oi == 0) ? h + (size_t)m * (size_t)cols : NULL, P.o[oi], m,
-               xs);
+    q_prep_seg(xv, uv, ur != NULL, norm_w, inv, cols, s0, seg, (h && oi == 0) ? h + (size_t)m * (size_t)cols : NULL,
+               P.o[oi], m, xs);
 }
 
 extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,

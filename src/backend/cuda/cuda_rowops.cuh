@@ -11,21 +11,22 @@ static __device__ __forceinline__ float dfk_silu(float x) { return x / (1.0f + e
 
 /* Σ v_i² over a row of `cols` floats, v = up ? silu(x)·up : x, for a block of 256 threads (every
  * thread gets the result). Order: thread tid adds v_i² for i = tid, tid + 256, ... in order
- * (loads issued 8 at a time, through L2: see cuda_qlin.cu on PDL), then an xor butterfly in
+ * (loads issued 24 at a time, one round trip for rows up to 6144, through L2: see cuda_qlin.cu
+ * on PDL), then an xor butterfly in
  * each warp, then the 8 warp sums in order 0..7. red8: 8 floats of shared memory. */
 static __device__ __forceinline__ float dfk_row_sumsq(const float *xr, const float *ur, int cols, float *red8) {
     const int tid = threadIdx.x;
     float acc = 0.0f;
-    for (int i0 = 0; i0 < cols; i0 += 8 * 256) {
-        float v[8], u[8];
+    for (int i0 = 0; i0 < cols; i0 += 24 * 256) {
+        float v[24], u[24];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < 24; j++) {
             const int i = i0 + j * 256 + tid;
             v[j] = i < cols ? __ldcg(&xr[i]) : 0.0f;
             u[j] = (ur && i < cols) ? __ldcg(&ur[i]) : 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < 24; j++) {
             if (i0 + j * 256 + tid < cols) {
                 const float w = ur ? dfk_silu(v[j]) * u[j] : v[j];
                 acc = acc + w * w;
