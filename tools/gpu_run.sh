@@ -99,6 +99,11 @@ for s in $STEPS; do
     [ -n "$CO" ] && "$CO" -sass -fun '_Z8k_lin_qrILi2ELi128ELi1ELi3ELb1ELi0EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_qr.txt" 2>&1
     [ -n "$CO" ] && "$CO" -sass -fun '_Z7k_lin_qILi2ELi128ELi1ELi1ELi2ELb1EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_q.txt" 2>&1
     ls -la "$OUT" ;;
+  vcurve)
+    for v in ${VARIANTS:-X=1}; do
+      echo "-- $v" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic" | tee -a "$OUT/summary.txt"
+    done ;;
   tune)
     for v in DFLASH_CUDA_TARGET_CTAS=264 DFLASH_CUDA_TARGET_CTAS=528 DFLASH_CUDA_OCC=3; do
       echo "-- $v" | tee -a "$OUT/summary.txt"

@@ -78,7 +78,7 @@ typedef struct cuda_backend {
     int force_simple;
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
-    int q_ring, q_ctas; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, DFLASH_CUDA_QCTAS) */
+    int q_ring, q_ctas, q_ring_max_m; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS, _QRING_MAXM) */
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
     struct cmd *cmds;
@@ -1063,6 +1063,7 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         q.M = mm;
         q.sched.TR = dfk_linear_q_max_tr(mm);
         q.sched.ring = cb->q_ring;
+        q.sched.ring_max_m = cb->q_ring_max_m;
         q.sched.ctas = cb->q_ctas;
         for (int j = i; j < n && q.n < DFK_QMAX; j++) {
             if (es[j]->mode != LIN_Q) continue;
@@ -1497,6 +1498,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
      * either) */
     const char *qring = getenv("DFLASH_CUDA_QRING");
     cb->q_ring = qring && strcmp(qring, "0") == 0 ? 0 : 1;
+    const char *qrm = getenv("DFLASH_CUDA_QRING_MAXM");
+    cb->q_ring_max_m = qrm ? atoi(qrm) : 0;
     const char *qct = getenv("DFLASH_CUDA_QCTAS"); /* persistent grid size (tests: many units per CTA) */
     cb->q_ctas = qct && atoi(qct) > 0 ? atoi(qct) : 0;
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");

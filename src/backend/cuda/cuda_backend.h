@@ -14,8 +14,10 @@
  * (every linear on CUDA cores), DFLASH_CUDA_LINEAR=bf16split (quantized weights on the bf16
  * path instead of the fixed-point one), DFLASH_CUDA_PDL=0 (no programmatic dependent launch),
  * DFLASH_CUDA_QSMEM=0 (the fixed-point linear reads its input through L2 instead of shared
- * memory), DFLASH_CUDA_QPERSIST=1 (persistent grid), DFLASH_CUDA_KW / DFLASH_CUDA_TARGET_CTAS
- * (work split), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs).
+ * memory), DFLASH_CUDA_QRING=0 (the fixed-point linear on its register kernel instead of the
+ * ring kernel), DFLASH_CUDA_QRING_MAXM=N (the ring kernel only up to N rows), DFLASH_CUDA_QCTAS=N
+ * (the ring kernel's grid), DFLASH_CUDA_QPERSIST=1 (the register kernel on a persistent grid),
+ * DFLASH_CUDA_KW / DFLASH_CUDA_TARGET_CTAS (work split), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs).
  *
  * The backend also provides the fused ops of backend.h (`linears`: RMSNorm + several linears
  * of one input; `linear_add`: SwiGLU + linear + residual add) with the bits of the composition.

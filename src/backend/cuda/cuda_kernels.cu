@@ -517,27 +517,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_mma(const uint32_t *__restric
     }
     /* K-slices: warp (rw, kw) partials summed in order kw = 0..KW-1 by warp (rw, 0) */
     if (KW > 1) {
-#pragma unroll
-        for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
-                red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
-            }
-        __syncthreads();
+        dfk_kslice_sum<TR, NT>(red, yv, KW, kw, warp, lane);
         if (kw != 0) return;
-#pragma unroll
-        for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
-                for (int k = 1; k < KW; k++) {
-                    a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
-                    a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
-                }
-                yv[tr][nt][0] = a0;
-                yv[tr][nt][1] = a1;
-            }
     }
     if (t >= 2) return;
 #pragma unroll

@@ -141,6 +141,7 @@ typedef struct dfk_qlin {
  * the device at once) (k_lin_qr). */
 typedef struct dfk_qsched {
     int TR, ring, ctas;
+    int ring_max_m; /* > 0: the ring kernel only up to this many rows, k_lin_q above */
 } dfk_qsched;
 
 /* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one

@@ -600,31 +600,7 @@ template <int NT, int TR>
 static __device__ __forceinline__ void q_finish(const dfk_qlin &L, float (*red)[TR * NT * 2][32], float (&yv)[TR][NT][2],
                                                 int KW, int kw, int warp, int lane, int g, int t, int M, int tile0,
                                                 const bool (&tvalid)[TR]) {
-    if (KW > 1) {
-        __syncthreads(); /* red may still be read by the previous unit */
-#pragma unroll
-        for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
-                red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
-            }
-        __syncthreads();
-        if (kw == 0) {
-#pragma unroll
-            for (int tr = 0; tr < TR; tr++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
-                    for (int k = 1; k < KW; k++) {
-                        a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
-                        a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
-                    }
-                    yv[tr][nt][0] = a0;
-                    yv[tr][nt][1] = a1;
-                }
-        }
-    }
+    if (KW > 1) dfk_kslice_sum<TR, NT>(red, yv, KW, kw, warp, lane);
     if (kw == 0) {
         float *y = L.y;
         const int rows = L.rows;
@@ -919,26 +895,7 @@ static __device__ __forceinline__ void q_ring_step(uint32_t caddr, int lane, boo
                                                    float (&yv)[1][NT][2]) {
     typedef qcfg<BITS, GS, NT, 1> C;
     constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC;
-    if (more) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            if (bok[nt]) {
-#pragma unroll
-                for (int k = 0; k < KBG / 2; k++) {
-                    const uint4 v = SMB ? bp[nt][k] : __ldcg(bp[nt] + k);
-                    bn[nt][2 * k][0] = v.x;
-                    bn[nt][2 * k][1] = v.y;
-                    bn[nt][2 * k + 1][0] = v.z;
-                    bn[nt][2 * k + 1][1] = v.w;
-                }
-            } else {
-#pragma unroll
-                for (int k = 0; k < KBG; k++) bn[nt][k][0] = bn[nt][k][1] = 0u;
-            }
-            en[nt] = eok[nt] ? (SMB ? *ep[nt] : __ldcg(ep[nt])) : 0.0f;
-            sn[nt] = eok[nt] ? (SMB ? *sp[nt] : __ldcg(sp[nt])) : 0.0f;
-        }
-    }
+    if (more) q_load_bfrag<KBG, NT, SMB>(bp, ep, sp, bok, eok, bn, en, sn);
     cp_async_wait<QS - 1>();
     uint32_t w[1][WPL];
     uint2 sbv[1];
@@ -1075,24 +1032,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
             }
         } else {
         if (nj > 0) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                if (bok[nt]) {
-#pragma unroll
-                    for (int k = 0; k < KBG / 2; k++) {
-                        const uint4 v = SMB ? bp[nt][k] : __ldcg(bp[nt] + k);
-                        b0[nt][2 * k][0] = v.x;
-                        b0[nt][2 * k][1] = v.y;
-                        b0[nt][2 * k + 1][0] = v.z;
-                        b0[nt][2 * k + 1][1] = v.w;
-                    }
-                } else {
-#pragma unroll
-                    for (int k = 0; k < KBG; k++) b0[nt][k][0] = b0[nt][k][1] = 0u;
-                }
-                e0[nt] = eok[nt] ? (SMB ? *ep[nt] : __ldcg(ep[nt])) : 0.0f;
-                s0[nt] = eok[nt] ? (SMB ? *sp[nt] : __ldcg(sp[nt])) : 0.0f;
-            }
+            q_load_bfrag<KBG, NT, false>(bp, ep, sp, bok, eok, b0, e0, s0);
             Q_ADVANCE();
         }
 #pragma unroll 1
@@ -1229,7 +1169,8 @@ extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1)
 
 extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
     int TR = sched.TR;
-    const int ring = sched.ring;
+    /* the ring kernel up to ring_max_m rows, the register kernel above (same K-slices: same bits) */
+    const int ring = sched.ring && (sched.ring_max_m <= 0 || M <= sched.ring_max_m) ? 1 : 0;
     if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1 || ring < 0 || ring > 1 || sched.ctas < 0)
         return (int)cudaErrorInvalidValue;
     if (TR > dfk_linear_q_max_tr(M)) TR = dfk_linear_q_max_tr(M);

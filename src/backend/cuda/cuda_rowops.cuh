@@ -48,4 +48,35 @@ static __device__ __forceinline__ float dfk_rms_inv(float sumsq, int cols, float
     return 1.0f / sqrtf(ms + eps);
 }
 
+/* The K-slice reduction of the tensor-core linears (cuda_kernels.cu k_lin_mma, cuda_qlin.cu):
+ * warp (rw, kw) of a CTA holds partial sums yv of its tiles; warp (rw, 0) gets the sum over
+ * kw = 0..KW−1 in that order (warps rw·KW + kw adjacent). red: [8][TR·NT·2][32] floats of shared
+ * memory. Every thread of the CTA calls it (it synchronizes; red may be reused right after). */
+template <int TR, int NT>
+static __device__ __forceinline__ void dfk_kslice_sum(float (*red)[TR * NT * 2][32], float (&yv)[TR][NT][2], int KW,
+                                                      int kw, int warp, int lane) {
+    __syncthreads(); /* red may still be read by an earlier reduction */
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            red[warp][(tr * NT + nt) * 2][lane] = yv[tr][nt][0];
+            red[warp][(tr * NT + nt) * 2 + 1][lane] = yv[tr][nt][1];
+        }
+    __syncthreads();
+    if (kw != 0) return;
+#pragma unroll
+    for (int tr = 0; tr < TR; tr++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            float a0 = red[warp][(tr * NT + nt) * 2][lane], a1 = red[warp][(tr * NT + nt) * 2 + 1][lane];
+            for (int k = 1; k < KW; k++) {
+                a0 = a0 + red[warp + k][(tr * NT + nt) * 2][lane];
+                a1 = a1 + red[warp + k][(tr * NT + nt) * 2 + 1][lane];
+            }
+            yv[tr][nt][0] = a0;
+            yv[tr][nt][1] = a1;
+        }
+}
+
 #endif
