@@ -115,8 +115,11 @@ typedef enum df_server_state {
 } df_server_state;
 
 df_server_state df_server_get_state(const df_server *srv);
-/* The loading error (redacted), or "" when none. */
+/* The loading error with the model and drafter paths replaced by their public names (what
+ * HTTP clients see), or "" when none. */
 const char *df_server_load_error(const df_server *srv);
+/* The same error with the paths as given (for the operator: the command line, stderr). */
+const char *df_server_load_error_full(const df_server *srv);
 
 /* The port actually bound (after df_server_listen), else the configured one. */
 int df_server_port(const df_server *srv);

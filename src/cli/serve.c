@@ -60,7 +60,7 @@ static int serve(df_server_options *so) {
         }
         df_server_state st = df_server_get_state(srv);
         if (st == DF_SERVER_FAILED) {
-            cli_error("serve", "%s", df_server_load_error(srv));
+            cli_error("serve", "%s", df_server_load_error_full(srv));
             break;
         }
         if (st == DF_SERVER_READY && !announced) {

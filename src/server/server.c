@@ -221,6 +221,7 @@ int df_server_port(const df_server *srv) { return srv->bound_port; }
 df_server_state df_server_get_state(const df_server *srv) { return (df_server_state)atomic_load(&srv->state); }
 
 const char *df_server_load_error(const df_server *srv) { return srv->load_error; }
+const char *df_server_load_error_full(const df_server *srv) { return srv->load_error_full; }
 
 /* ---- responses --------------------------------------------------------------------- */
 

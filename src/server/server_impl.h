@@ -115,7 +115,8 @@ struct df_server {
     df_draft_state *dstate;
     df_chat_setup chat;
     atomic_int state;             /* df_server_state */
-    char load_error[DF_ERROR_MSG_MAX];
+    char load_error[DF_ERROR_MSG_MAX];      /* with the model paths redacted (HTTP answers) */
+    char load_error_full[DF_ERROR_MSG_MAX]; /* as the loader said it (the operator) */
     /* the generation queue */
     pthread_mutex_t qlock;
     pthread_cond_t qcond;

@@ -33,6 +33,7 @@ static int load_model(df_server *srv) {
     }
     if (st) {
         df_server_redact(srv, err.msg, srv->load_error, sizeof srv->load_error);
+        snprintf(srv->load_error_full, sizeof srv->load_error_full, "%s", err.msg);
         atomic_store(&srv->state, DF_SERVER_FAILED);
         df_server_log(srv, "loading failed: %s", srv->load_error);
         return -1;

@@ -61,8 +61,10 @@ static df_status read_file(const char *path, char **text, size_t *len, df_error 
     return *text ? DF_OK : df_error_set(err, DF_ERR_NOMEM, "out of memory reading %s", path);
 }
 
-/* The "chat_template" value of a JSON file: a string, or [{"name", "template"}] ("default"). */
-static df_status template_from_json(const char *path, char **text, size_t *len, df_error *err) {
+/* The "chat_template" value of a JSON file: a string, or [{"name", "template"}] ("default").
+ * optional: a file without the key (tokenizer_config.json often has none) gives the "no chat
+ * template" status of df_chat_template_read (DF_ERR_IO) instead of a format error. */
+static df_status template_from_json(const char *path, int optional, char **text, size_t *len, df_error *err) {
     json_error_t je;
     json_t *root = json_load_file(path, 0, &je);
     if (!root) return df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
@@ -79,7 +81,9 @@ static df_status template_from_json(const char *path, char **text, size_t *len, 
         }
     }
     if (!s) {
+        const int absent = ct == NULL;
         json_decref(root);
+        if (optional && absent) return df_error_set(err, DF_ERR_IO, "%s: no chat template", path);
         return df_error_set(err, DF_ERR_FORMAT, "%s: no \"chat_template\" string (or \"default\" entry)", path);
     }
     *len = json_string_length(s);
@@ -107,9 +111,9 @@ df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, 
     snprintf(path, sizeof path, "%s/chat_template.jinja", pack_dir);
     if (file_exists(path)) return read_file(path, text, len, err);
     snprintf(path, sizeof path, "%s/chat_template.json", pack_dir);
-    if (file_exists(path)) return template_from_json(path, text, len, err);
+    if (file_exists(path)) return template_from_json(path, 0, text, len, err);
     snprintf(path, sizeof path, "%s/tokenizer_config.json", pack_dir);
-    if (file_exists(path)) return template_from_json(path, text, len, err);
+    if (file_exists(path)) return template_from_json(path, 1, text, len, err);
     return df_error_set(err, DF_ERR_IO,
                         "%s: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)",
                         pack_dir);

@@ -2,11 +2,12 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
 
-from conftest import DFLASH_BIN, DRAFTER, base_env, chatml, model_args, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, run_cli, tokenize
 
 DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
                  "--draft-window", "--draft-quant", "--no-draft"]
@@ -174,6 +175,32 @@ def test_missing_model_is_an_error(tmp_path):
     p = run_cli("generate", "--model", str(tmp_path / "nope"), "--chat", "hi")
     assert p.returncode == 1
     assert p.stderr.strip()
+
+
+def test_serve_load_failure_names_the_paths(tmp_path):
+    """The operator sees the paths as typed (HTTP clients get them redacted)."""
+    p = run_cli("serve", "--port", "0", "--model", str(tmp_path / "nope"), timeout=60)
+    assert p.returncode == 1
+    assert str(tmp_path / "nope") + "/config.json" in p.stderr
+    p = run_cli("serve", "--port", "0", "--drafter", str(tmp_path / "nodrafter"), timeout=60)
+    assert p.returncode == 1
+    assert str(tmp_path / "nodrafter") + "/config.json" in p.stderr
+
+
+def test_pack_without_any_chat_template_uses_chatml(tmp_path):
+    """tokenizer_config.json without "chat_template" and no template file: the built-in ChatML."""
+    pack = tmp_path / "pack"
+    shutil.copytree(model_dir() or str(SOURCE_DIR / "models" / "demo"), pack)
+    (pack / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((pack / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (pack / "tokenizer_config.json").write_text(json.dumps(cfg))
+    req = write_json(tmp_path, "req.json", {"messages": [{"role": "user", "content": "hi"}]})
+    p = run_cli("render", "--model", str(pack), "--request", str(req))
+    assert p.returncode == 0, p.stderr
+    assert "<|im_start|>user\nhi<|im_end|>" in p.stdout
+    p = run_cli("generate", "--model", str(pack), "--chat", "hi", "--max-tokens", "3")
+    assert p.returncode == 0, p.stderr
 
 
 def test_env_model_is_used(tmp_path):

@@ -231,6 +231,16 @@ static void test_template_from_pack(void **state) {
     assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_FORMAT);
     remove(path);
     assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    /* a tokenizer_config.json without the key: no template (the built-in one applies); with a
+     * key of the wrong type: a format error */
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    const char *tc = "{\"eos_token\": \"<|im_end|>\"}";
+    assert_int_equal(tu_write_file(path, tc, strlen(tc)), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    const char *tc2 = "{\"chat_template\": 7}";
+    assert_int_equal(tu_write_file(path, tc2, strlen(tc2)), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_FORMAT);
+    remove(path);
     rmdir(dir);
 }
 
