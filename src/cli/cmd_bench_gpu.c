@@ -1,7 +1,7 @@
 /* dflash bench: decode speed against the weight-streaming floor, the verify cost curve, the
  * drafter pass, speculative decoding at a synthetic acceptance rate, and device memory.
  *
- *   dflash bench --model DIR [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]
+ *   dflash bench [--model DIR] [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]
  *                [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]
  *                [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]
  *                [--draft-quant-pass BITS[,BITS]]
@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "cli/cli.h"
 #include "cli/commands_gpu.h"
 #include "core/threads.h"
 #include "dflash/drafter.h"
@@ -239,11 +240,11 @@ static size_t weight_bytes(df_engine *e) {
 }
 
 static const char BENCH_HELP[] =
-    "usage: dflash bench --model DIR [options]\n\n"
+    "usage: dflash bench [--model DIR] [options]\n\n"
     "Decode speed against the weight-streaming floor, the verify cost curve, the drafter pass, speculative\n"
     "speed at a synthetic acceptance rate, and device memory.\n\n"
     "options:\n"
-    "  --model DIR                  model pack folder (required)\n"
+    "  --model DIR                  model pack folder (default: $DFLASH_MODEL, else the demo model)\n"
     "  --drafter DIR                DFlash drafter (default: DIR/drafter when present)\n"
     "  --device cuda|cpu            (default: cuda)\n"
     "  --ctx N                      prompt length, >= 1 (default: 1024)\n"
@@ -341,7 +342,9 @@ int df_cmd_bench(int argc, char **argv) {
             return 0;
         } else return usage_error("unknown option or missing value: %s", a);
     }
-    if (!o.model) return usage_error("%s", "--model DIR is required");
+    char mpath[3072];
+    if (cli_model_dir(o.model, mpath, sizeof mpath) != 0) return CLI_EXIT_FAIL; /* (it said why) */
+    o.model = mpath;
     if (o.ctx < 1) return usage_error("%s", "--ctx must be >= 1");
     if (o.gen < 2) return usage_error("%s", "--gen must be >= 2");
     if (o.repeats < 1) return usage_error("%s", "--repeats must be >= 1");

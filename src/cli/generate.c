@@ -179,6 +179,7 @@ int cmd_generate(int argc, char **argv) {
             req.root = json_pack("{s:[{s:s, s:s}]}", "messages", "role", "user", "content", chat);
             if (!req.root) {
                 cli_error("generate", "--chat: the text is not valid UTF-8");
+                rc = CLI_EXIT_USAGE;
                 goto done;
             }
         }
@@ -265,6 +266,7 @@ int cmd_generate(int argc, char **argv) {
     if (st != DF_OK) {
         if (sc.printed && sc.last != '\n') putchar('\n');
         cli_error("generate", "%s", err.msg);
+        if (st == DF_ERR_INVALID_ARG && !sc.printed) rc = CLI_EXIT_USAGE; /* the input (empty, ids out of range) */
         goto done;
     }
     if (req.root) message = parse_message(&built, &req, &res);

@@ -203,6 +203,20 @@ def test_pack_without_any_chat_template_uses_chatml(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_bad_input_values_exit_2():
+    """Malformed values exit 2 (README), also those found wrong only once the model is known."""
+    for args in (["--prompt", ""], ["--prompt-ids", "99999"], ["--chat", "\udcff"]):
+        p = run_cli("generate", *model_args(), *args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert p.stderr.strip()
+
+
+def test_bench_defaults_to_the_default_model():
+    p = run_cli("bench", "--device", "cpu", "--ctx", "8", "--gen", "2", "--no-verify-curve", *model_args())
+    assert p.returncode == 0, p.stderr
+    assert "plain decode" in p.stdout
+
+
 def test_env_model_is_used(tmp_path):
     env = base_env()
     env["DFLASH_MODEL"] = str(tmp_path / "nope")
