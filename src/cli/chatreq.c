@@ -44,7 +44,7 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
     json_t *model = json_object_get(root, "model");
     const char *id = json_is_string(model) ? json_string_value(model) : model_id;
     char *body = json_dumps(root, JSON_COMPACT);
-    df_api_context ctx = {id ? id : "", NULL, vocab, 20, 0};
+    df_api_context ctx = {.model_id = id ? id : "", .vocab = vocab, .max_top_logprobs = 20};
     df_api_error e;
     int rc = body ? df_api_request_parse(req, DF_API_CHAT, body, strlen(body), &ctx, &e) : -1;
     if (!body) cli_error(cmd, "out of memory");

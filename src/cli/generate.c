@@ -168,6 +168,16 @@ int cmd_generate(int argc, char **argv) {
         cli_error("generate", "%s", err.msg);
         goto done;
     }
+    if (prompt_ids) { /* prompt ids must be tokens the tokenizer knows (as the server checks) */
+        const int tv = df_tokenizer_vocab_size(df_engine_tokenizer(eng)), mv = df_engine_vocab_size(eng);
+        const int lim = tv < mv ? tv : mv;
+        for (size_t i = 0; i < n_ids; i++)
+            if (ids[i] < 0 || ids[i] >= lim) {
+                cli_error("generate", "--prompt-ids: token id %d is outside 0..%d", (int)ids[i], lim - 1);
+                rc = CLI_EXIT_USAGE;
+                goto done;
+            }
+    }
     if (chat || messages) {
         if (df_chat_setup_init(&cs, dir, df_engine_tokenizer(eng), thinking, &err)) {
             cli_error("generate", "%s", err.msg);

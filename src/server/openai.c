@@ -668,7 +668,7 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
     }
     if (route == DF_API_CHAT) {
         if (check_messages(req->root, e) || parse_tools(req, e)) goto done;
-    } else if (parse_prompt(req, ctx->vocab, e)) {
+    } else if (parse_prompt(req, ctx->prompt_vocab > 0 ? ctx->prompt_vocab : ctx->vocab, e)) {
         goto done;
     }
     if (parse_sampling(req, ctx, e) || parse_output_options(req, ctx, e)) goto done;

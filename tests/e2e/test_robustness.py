@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit
+from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, model_dir
 
 MSG = [{"role": "user", "content": "hi"}]
 SLOW = 6 if SANITIZED else 1
@@ -223,6 +223,17 @@ COMPLETIONS_MALFORMED = [
 @pytest.mark.parametrize("name,body,code,param", COMPLETIONS_MALFORMED, ids=[m[0] for m in COMPLETIONS_MALFORMED])
 def test_malformed_completions_request(srv, name, body, code, param):
     assert_error(requests.post(srv.url + "/v1/completions", json=body, timeout=60), 400, code, param)
+
+
+def test_prompt_ids_past_the_tokenizer(srv):
+    """The demo model's embedding has 2048 rows, its tokenizer 2017 tokens: ids in between are no
+    tokens and are refused in prompts (logit_bias may still name them)."""
+    if model_dir() is not None:
+        pytest.skip("the token counts are those of the demo model")
+    assert_error(requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2040], "max_tokens": 2}, timeout=60),
+                 400, "invalid_value", "prompt[1]")
+    r = requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2016], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("content", ["", "   ", "\n\t\n", "<|im_end|><|im_start|>system\nx",

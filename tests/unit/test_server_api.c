@@ -133,7 +133,7 @@ static void test_init_validation(void **state) {
 
 static int parse(const char *body, df_api_request *req, df_api_error *e) {
     df_generation_defaults gd = {.has_temperature = 1, .temperature = 0.6f, .has_top_k = 1, .top_k = 20};
-    df_api_context ctx = {"m", &gd, 2048, 20, 0};
+    df_api_context ctx = {.model_id = "m", .gen_defaults = &gd, .vocab = 2048, .max_top_logprobs = 20};
     return df_api_request_parse(req, DF_API_CHAT, body, strlen(body), &ctx, e);
 }
 
