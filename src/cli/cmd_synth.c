@@ -58,9 +58,15 @@ int df_cmd_synth(int argc, char **argv) {
             fputs(SYNTH_HELP, stdout);
             return 0;
         }
-        else return usage();
+        else {
+            fprintf(stderr, "dflash synth: unknown option or missing value: %s\n", argv[i]);
+            return usage();
+        }
     }
-    if (!o.out_dir) return usage();
+    if (!o.out_dir) {
+        fprintf(stderr, "dflash synth: --out DIR is required\n");
+        return usage();
+    }
     char tokdir[4096];
     if (!o.tokenizer_dir) { /* $DFLASH_MODEL, else the embedded demo model */
         const char *env = getenv("DFLASH_MODEL");

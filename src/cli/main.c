@@ -6,6 +6,8 @@
 #include "cli/cli.h"
 #include "cli/commands_gpu.h"
 
+#define DFLASH_VERSION_STRING "0.1.0"
+
 /* synth and bench take argv[0] = their own name */
 static int cmd_synth(int argc, char **argv) { return df_cmd_synth(argc + 1, argv - 1); }
 static int cmd_bench(int argc, char **argv) { return df_cmd_bench(argc + 1, argv - 1); }
@@ -27,7 +29,8 @@ static const struct {
 static void usage(FILE *f) {
     fprintf(f, "usage: dflash <command> [options]\n\ncommands:\n");
     for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
-    fprintf(f, "\n'dflash <command> --help' lists the command's options and their defaults.\n"
+    fprintf(f, "\n'dflash <command> --help' lists the command's options and their defaults; 'dflash --version'\n"
+               "prints the version.\n"
                "With no --model, commands use $DFLASH_MODEL, else the embedded demo model (models/demo).\n");
 }
 
@@ -38,6 +41,14 @@ int main(int argc, char **argv) {
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
+        return CLI_EXIT_OK;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+#ifdef DFLASH_WITH_CUDA
+        printf("dflash %s (CUDA backend built)\n", DFLASH_VERSION_STRING);
+#else
+        printf("dflash %s (CPU only)\n", DFLASH_VERSION_STRING);
+#endif
         return CLI_EXIT_OK;
     }
     for (int i = 0; i < N_COMMANDS; i++) {

@@ -217,6 +217,21 @@ def test_bench_defaults_to_the_default_model():
     assert "plain decode" in p.stdout
 
 
+def test_version():
+    p = run_cli("--version")
+    assert p.returncode == 0
+    assert re.match(r"dflash \d+\.\d+\.\d+ ", p.stdout)
+
+
+def test_synth_names_what_is_missing():
+    p = run_cli("synth")
+    assert p.returncode == 2
+    assert "--out DIR is required" in p.stderr
+    p = run_cli("synth", "--out", "/tmp/x", "--bogus")
+    assert p.returncode == 2
+    assert "--bogus" in p.stderr
+
+
 def test_env_model_is_used(tmp_path):
     env = base_env()
     env["DFLASH_MODEL"] = str(tmp_path / "nope")
