@@ -645,6 +645,10 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
         return df_api_error_set(e, 400, INVALID, "invalid_value", NULL,
                                 "Strings containing the NUL character (\\u0000) are not supported (line %d, column %d).",
                                 jerr.line, jerr.column);
+    if (!req->root && strstr(jerr.text, "too big"))
+        return df_api_error_set(e, 400, INVALID, "invalid_value", NULL,
+                                "A number in the request is out of range: %s (line %d, column %d).", jerr.text,
+                                jerr.line, jerr.column);
     if (!req->root)
         return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
                                 "The request body is not valid JSON: %s (line %d, column %d).", jerr.text, jerr.line,

@@ -110,9 +110,9 @@ MALFORMED = [
     ("n = 2", {"messages": MSG, "n": 2}, 400, "unsupported_value", "n"),
     # sampling and output fields
     ("temperature huge", {"messages": MSG, "temperature": 1e308}, 400, "invalid_value", "temperature"),
-    ("max_tokens huge", {"messages": MSG, "max_tokens": 10 ** 30}, 400, "invalid_json", None),   # past int64
+    ("max_tokens huge", {"messages": MSG, "max_tokens": 10 ** 30}, 400, "invalid_value", None),  # past int64
     ("max_tokens above int", {"messages": MSG, "max_tokens": 2 ** 40}, 400, "invalid_value", "max_tokens"),
-    ("seed above int64", {"messages": MSG, "seed": 2 ** 70}, 400, "invalid_json", None),
+    ("seed above int64", {"messages": MSG, "seed": 2 ** 70}, 400, "invalid_value", None),
     ("seed fractional", {"messages": MSG, "seed": 1.5}, 400, "invalid_type", "seed"),
     ("NUL in a string", {"messages": [{"role": "user", "content": "a\u0000b"}]}, 400, "invalid_value", None),
     ("presence_penalty too big", {"messages": MSG, "presence_penalty": 3}, 400, "invalid_value", "presence_penalty"),
