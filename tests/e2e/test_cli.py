@@ -131,7 +131,8 @@ def test_top_level_help_and_errors():
     ["generate", "--chat", "hi", "--temperature", "warm"],
     ["generate", "--chat", "hi", "--temperature", "9"],
     ["generate", "--chat", "hi", "--top-k", "1.5"],
-    ["generate", "--chat", "hi", "--seed", "-1"],
+    ["generate", "--chat", "hi", "--seed", "x"],
+    ["generate", "--chat", "hi", "--seed", "99999999999999999999"],
     ["generate", "--chat", "hi", "--prompt", "x"],
     ["generate"],
     ["generate", "--prompt-ids", "1,,2"],
@@ -215,6 +216,15 @@ def test_bench_defaults_to_the_default_model():
     p = run_cli("bench", "--device", "cpu", "--ctx", "8", "--gen", "2", "--no-verify-curve", *model_args())
     assert p.returncode == 0, p.stderr
     assert "plain decode" in p.stdout
+
+
+def test_negative_seed_is_taken_modulo_2_64():
+    """As the server's "seed": -1 is the 64-bit value 2^64 - 1."""
+    a = run_cli("generate", *model_args(), "--chat", "hi", "--seed", "-1", "--temperature", "1", "--max-tokens", "8")
+    b = run_cli("generate", *model_args(), "--chat", "hi", "--seed", str(2 ** 64 - 1), "--temperature", "1",
+                "--max-tokens", "8")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout
 
 
 def test_version():
