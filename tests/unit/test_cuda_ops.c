@@ -458,6 +458,21 @@ static void test_elementwise(void **state) {
     assert_int_equal(ig[0], 1000);
     assert_int_equal(ig[1], V - 1);
     assert_int_equal(ig[2], 0);
+    /* more rows than a verify pass (the one-block-per-row kernel), ties included */
+    {
+        const int RR = DF_MAX_ROWS + 4, VV = 3000;
+        float *l2 = malloc((size_t)RR * VV * 4);
+        for (int i = 0; i < RR * VV; i++) l2[i] = frand();
+        for (int r = 0; r < RR; r++) l2[(size_t)r * VV + (size_t)(r * 97) % VV] = l2[(size_t)r * VV + VV - 1] = 3.0f;
+        float *d2 = dput(be, l2, (size_t)RR * VV * 4);
+        int32_t g2[DF_MAX_ROWS + 4], c2[DF_MAX_ROWS + 4];
+        be->ops->argmax(be, d2, RR, VV, g2);
+        g_cpu->ops->argmax(g_cpu, l2, RR, VV, c2);
+        assert_memory_equal(g2, c2, sizeof g2);
+        for (int r = 0; r < RR; r++) assert_int_equal(g2[r], (r * 97) % VV);
+        dfree_(be, d2);
+        free(l2);
+    }
     gpu_ok(be, "elementwise");
     dfree_(be, dl);
     dfree_(be, dx);

@@ -989,15 +989,14 @@ static __device__ void am_merge(float *bv, int *bi, int tid, int n) {
     }
 }
 
-__global__ void k_argmax(const float *x, int width, int32_t *out) {
-    __shared__ float bv[1024];
-    __shared__ int bi[1024];
-    const float *xr = x + (size_t)blockIdx.x * (size_t)width;
-    const int tid = threadIdx.x;
+/* A thread's scan of xr[i] for i = lo, lo + step, ... < hi: strictly greater replaces (so ties
+ * keep the lowest index), then the block's tree merge; the result is in bv[0], bi[0] (index -1:
+ * nothing scanned). Every thread of the block (n threads, a power of two) calls it. */
+static __device__ void am_block(const float *xr, int lo, int hi, int step, float *bv, int *bi, int tid, int n) {
     float best = 0.0f;
     int besti = -1;
-    for (int i = tid; i < width; i += blockDim.x) {
-        float v = xr[i];
+    for (int i = lo; i < hi; i += step) {
+        const float v = xr[i];
         if (besti < 0 || v > best) {
             best = v;
             besti = i;
@@ -1006,7 +1005,15 @@ __global__ void k_argmax(const float *x, int width, int32_t *out) {
     bv[tid] = best;
     bi[tid] = besti;
     __syncthreads();
-    am_merge(bv, bi, tid, (int)blockDim.x);
+    am_merge(bv, bi, tid, n);
+}
+
+__global__ void k_argmax(const float *x, int width, int32_t *out) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    const float *xr = x + (size_t)blockIdx.x * (size_t)width;
+    const int tid = threadIdx.x;
+    am_block(xr, tid, width, (int)blockDim.x, bv, bi, tid, (int)blockDim.x);
     if (tid == 0) out[blockIdx.x] = bi[0] < 0 ? 0 : bi[0];
 }
 
@@ -1025,19 +1032,7 @@ __global__ void __launch_bounds__(256) k_argmax_part(const float *x, int width) 
     const int chunk = (width + AM_PARTS - 1) / AM_PARTS, lo = part * chunk;
     const int hi = lo + chunk < width ? lo + chunk : width;
     const float *xr = x + (size_t)row * (size_t)width;
-    float best = 0.0f;
-    int besti = -1;
-    for (int i = lo + tid; i < hi; i += 256) {
-        const float v = xr[i];
-        if (besti < 0 || v > best) {
-            best = v;
-            besti = i;
-        }
-    }
-    bv[tid] = best;
-    bi[tid] = besti;
-    __syncthreads();
-    am_merge(bv, bi, tid, 256);
+    am_block(xr, lo + tid, hi, 256, bv, bi, tid, 256);
     if (tid == 0) {
         g_am_v[row * AM_PARTS + part] = bv[0];
         g_am_i[row * AM_PARTS + part] = bi[0];

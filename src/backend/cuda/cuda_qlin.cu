@@ -264,6 +264,13 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
     }
 }
 
+/* One Hadamard butterfly: (a, b) -> (a + b, a − b). */
+static __device__ __forceinline__ void q_bfly(float &a, float &b) {
+    const float x = a, y = b;
+    a = x + y;
+    b = x - y;
+}
+
 /* The preparation of segment [s0, s0 + seg) of row m (seg <= 1024, a multiple of 4) by a
  * block of 256 threads, the segment in registers: thread tid holds elements 4tid..4tid+3 of
  * v = x (or silu(x)·up; xv, uv: this thread's x and up, loaded by the caller), times
@@ -303,23 +310,13 @@ static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, bool up,
 #pragma unroll
             for (int j = 0; j < 4; j++) v[j] = v[j] * O.signs[e0 + j];
         }
-        if (hb >= 2) {
-            float a = v[0], b = v[1];
-            v[0] = a + b;
-            v[1] = a - b;
-            a = v[2];
-            b = v[3];
-            v[2] = a + b;
-            v[3] = a - b;
+        if (hb >= 2) { /* distance 1 */
+            q_bfly(v[0], v[1]);
+            q_bfly(v[2], v[3]);
         }
-        if (hb >= 4) {
-            float a = v[0], b = v[2];
-            v[0] = a + b;
-            v[2] = a - b;
-            a = v[1];
-            b = v[3];
-            v[1] = a + b;
-            v[3] = a - b;
+        if (hb >= 4) { /* distance 2 */
+            q_bfly(v[0], v[2]);
+            q_bfly(v[1], v[3]);
         }
         for (int hh = 8; hh <= hb && hh <= 128; hh <<= 1) { /* distance hh/2: lanes differ by hh/8 */
             const int lm = hh >> 3;
