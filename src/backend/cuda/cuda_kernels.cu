@@ -69,6 +69,34 @@ extern "C" void dfk_set_use_dec(int v) { g_use_dec = v; }
 static int g_occ = 2;
 extern "C" void dfk_set_occupancy(int v) { g_occ = v == 3 ? 3 : 2; }
 
+/* Programmatic dependent launch (as in cuda_qlin.cu): the kernels launched with launch_k let
+ * the next kernel of the stream be scheduled at once, then wait for the previous one (its
+ * writes visible) before reading anything; every load of data an earlier kernel wrote goes
+ * through L2 only (__ldcg: an SM's L1 may hold a line an older, overlapping kernel cached). */
+static __device__ __forceinline__ void k_pdl_begin(void) {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/* kernel<<<grid, block, smem, g_stream>>>(args), with the programmatic stream serialization
+ * attribute when PDL is on (dfk_set_pdl). */
+template <typename... KArgs, typename... Args>
+static int launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = g_stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = dfk_pdl_on() == 1 ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (e != cudaSuccess) return (int)e;
+    return launch_status();
+}
+
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }
 extern "C" void *dfk_get_stream(void) { return (void *)g_stream; }
 
@@ -1065,7 +1093,8 @@ extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
 __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
                           const float *q_norm, const float *k_norm, int rot, float theta, float eps,
                           const int32_t *positions, float *k_cache, float *v_cache) {
-    const int pos0 = positions[DFK_MAX_ROWS];
+    k_pdl_begin();
+    const int pos0 = __ldcg(&positions[DFK_MAX_ROWS]);
     __shared__ float sv[1024];
     __shared__ float red[128];
     const int m = blockIdx.x, h = blockIdx.y;
@@ -1081,7 +1110,7 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         vec = k + ((size_t)m * (size_t)nkv + (size_t)kh) * (size_t)hd;
         nw = k_norm;
     }
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = vec[i];
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = __ldcg(&vec[i]);
     __syncthreads();
     if (nw) {
         float acc = 0.0f;
@@ -1092,7 +1121,7 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         __syncthreads();
     }
     const int half = rot / 2;
-    const int32_t pos = positions[m];
+    const int32_t pos = __ldcg(&positions[m]);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot);
         float f = (float)((double)pos * inv_freq);
@@ -1108,7 +1137,7 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         const float *vr = v + ((size_t)m * (size_t)nkv + (size_t)kh) * (size_t)hd;
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             k_cache[o + i] = sv[i];
-            v_cache[o + i] = vr[i];
+            v_cache[o + i] = __ldcg(&vr[i]);
         }
     }
 }
@@ -1117,9 +1146,8 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
                            const float *q_norm, const float *k_norm, int rot, float theta, float eps,
                            const int32_t *positions, int M, float *k_cache, float *v_cache) {
     dim3 grid((unsigned)M, (unsigned)((q ? nh : 0) + nkv));
-    k_qk_prep<<<grid, 128, 0, g_stream>>>(q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps, positions,
-                                          k_cache, v_cache);
-    return launch_status();
+    return launch_k(k_qk_prep, grid, dim3(128), 0, q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps,
+                    positions, k_cache, v_cache);
 }
 
 /* One block per (row m, chunk, kv head), handling the G = nh/nkv query heads of the group so
@@ -1133,7 +1161,8 @@ template <int GM>
 __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
                                                    const float *k_cache, const float *v_cache, float scale, int causal,
                                                    const int32_t *pos0p, int M, int nchunk, float *part) {
-    const int pos0 = *pos0p;
+    k_pdl_begin();
+    const int pos0 = __ldcg(pos0p);
     __shared__ float sq[4096];
     __shared__ float sc[GM][DFK_ATTN_CHUNK];
     __shared__ float smx[GM], ssum[GM];
@@ -1144,7 +1173,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     const int t1 = len < t0 + DFK_ATTN_CHUNK ? len : t0 + DFK_ATTN_CHUNK, n = t1 - t0;
     for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
         const int gi = i / hd, d = i % hd;
-        sq[i] = q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d];
+        sq[i] = __ldcg(&q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -1162,7 +1191,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 #pragma unroll
             for (int p = 0; p < 4; p++) {
                 const int tt = tt0 + p * nw;
-                kv[p] = tt < n ? kbase[(size_t)tt * kstride + (size_t)d] : 0.0f;
+                kv[p] = tt < n ? __ldcg(&kbase[(size_t)tt * kstride + (size_t)d]) : 0.0f;
             }
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) {
@@ -1210,7 +1239,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
         for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
 #pragma unroll 16
         for (int tt = 0; tt < n; tt++) {
-            const float vv = vbase[(size_t)tt * kstride + (size_t)d];
+            const float vv = __ldcg(&vbase[(size_t)tt * kstride + (size_t)d]);
 #pragma unroll
             for (int gi = 0; gi < GM; gi++)
                 if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
@@ -1234,21 +1263,22 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 /* One block per (head, row): chunks combined in order. */
 __global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal,
                                const int32_t *pos0p, int M, int nchunk, const float *part, float *out) {
-    const int pos0 = *pos0p;
+    k_pdl_begin();
+    const int pos0 = __ldcg(pos0p);
     __shared__ float wsm[1024];
     const int h = blockIdx.x, m = blockIdx.y;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
     const int nc = (len + DFK_ATTN_CHUNK - 1) / DFK_ATTN_CHUNK;
     const float *pr = part + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk * (size_t)(hd + 2);
     float mx = -INFINITY;
-    for (int c = 0; c < nc; c++) mx = fmaxf(mx, pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]);
+    for (int c = 0; c < nc; c++) mx = fmaxf(mx, __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]));
     for (int c = threadIdx.x; c < nc && c < 1024; c += blockDim.x)
-        wsm[c] = expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
+        wsm[c] = expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
     __syncthreads();
     float l = 0.0f;
     for (int c = 0; c < nc; c++) {
-        float w = c < 1024 ? wsm[c] : expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
-        l = l + w * pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd + 1];
+        float w = c < 1024 ? wsm[c] : expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
+        l = l + w * __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd + 1]);
     }
     const float inv = 1.0f / l;
     const float *gate = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride + (size_t)hd;
@@ -1256,11 +1286,11 @@ __global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, i
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
         for (int c = 0; c < nc; c++) {
-            float w = c < 1024 ? wsm[c] : expf(pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd] - mx);
-            acc = acc + w * pr[(size_t)c * (size_t)(hd + 2) + (size_t)d];
+            float w = c < 1024 ? wsm[c] : expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
+            acc = acc + w * __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)d]);
         }
         float r = acc * inv;
-        o[d] = gated ? r * sigmoid_f(gate[d]) : r;
+        o[d] = gated ? r * sigmoid_f(__ldcg(&gate[d])) : r;
     }
 }
 
@@ -1271,19 +1301,22 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
     dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
     const int G = nh / nkv;
+    int st;
     if (G <= 2)
-        k_attn_part<2><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+        st = launch_k(k_attn_part<2>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                      pos0, M, nchunk, part);
     else if (G <= 4)
-        k_attn_part<4><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+        st = launch_k(k_attn_part<4>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                      pos0, M, nchunk, part);
     else if (G <= 8)
-        k_attn_part<8><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
+        st = launch_k(k_attn_part<8>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                      pos0, M, nchunk, part);
     else
-        k_attn_part<16><<<g1, 256, 0, g_stream>>>(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
-    int st = launch_status();
+        st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                      pos0, M, nchunk, part);
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M);
-    k_attn_combine<<<g2, 128, 0, g_stream>>>(q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
-    return launch_status();
+    return launch_k(k_attn_combine, g2, dim3(128), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
 }
 
 /* ---- DFlash2 grouped dynamic convolution ---------------------------------------------------- */
@@ -1316,17 +1349,18 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 #define GDN_MAX_K 16
 
 __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, float *state, float *out) {
+    k_pdl_begin();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     float win[GDN_MAX_K];
     float wk[GDN_MAX_K];
 #pragma unroll
     for (int j = 0; j < GDN_MAX_K; j++) {
-        win[j] = (j < K - 1) ? state[(size_t)j * (size_t)C + (size_t)ch] : 0.0f;
+        win[j] = (j < K - 1) ? __ldcg(&state[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
         wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
     }
     for (int m = 0; m < M; m++) {
-        const float xin = qkv[(size_t)m * (size_t)C + (size_t)ch];
+        const float xin = __ldcg(&qkv[(size_t)m * (size_t)C + (size_t)ch]);
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < GDN_MAX_K; j++) {
@@ -1346,8 +1380,8 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
 extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state,
                             float *conv_out) {
     if (K < 1 || K > GDN_MAX_K) return (int)cudaErrorInvalidValue;
-    k_gdn_conv<<<(unsigned)((C + 255) / 256), 256, 0, g_stream>>>(qkv, conv_w, C, K, M, conv_state, conv_out);
-    return launch_status();
+    return launch_k(k_gdn_conv, dim3((unsigned)((C + 255) / 256)), dim3(256), 0, qkv, conv_w, C, K, M, conv_state,
+                    conv_out);
 }
 
 static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -1359,6 +1393,7 @@ template <int SPT>
 __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
                           const float *dt_bias, const float *norm_w, int nk, int nv, int dv, float eps, int M,
                           float *S, float *out) {
+    k_pdl_begin();
     constexpr int DK = 4 * SPT;
     extern __shared__ float gsm[];
     float *qs = gsm;                 /* [DK] */
@@ -1371,7 +1406,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
     float *Sj = S + (size_t)j * (size_t)DK * (size_t)dv;
     float s[SPT];
 #pragma unroll
-    for (int i = 0; i < SPT; i++) s[i] = Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v];
+    for (int i = 0; i < SPT; i++) s[i] = __ldcg(&Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v]);
     const float qscale = 1.0f / sqrtf((float)DK);
     const float A = -expf(A_log[j]);
     for (int m = 0; m < M; m++) {
@@ -1381,8 +1416,8 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
         const float *vi = row + 2 * (size_t)Kd + (size_t)j * (size_t)dv;
         float qv = 0.0f, kv = 0.0f;
         if (tid < DK) {
-            qv = qi[tid];
-            kv = ki[tid];
+            qv = __ldcg(&qi[tid]);
+            kv = __ldcg(&ki[tid]);
         }
         float qn = 1.0f / sqrtf(block_sum(qv * qv, red) + 1e-6f);
         float kn = 1.0f / sqrtf(block_sum(kv * kv, red) + 1e-6f);
@@ -1390,8 +1425,8 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
             qs[tid] = (qv * qn) * qscale;
             ks[tid] = kv * kn;
         }
-        const float beta = sigmoid_f(b[(size_t)m * (size_t)nv + (size_t)j]);
-        const float gg = A * softplus_f(a[(size_t)m * (size_t)nv + (size_t)j] + dt_bias[j]);
+        const float beta = sigmoid_f(__ldcg(&b[(size_t)m * (size_t)nv + (size_t)j]));
+        const float gg = A * softplus_f(__ldcg(&a[(size_t)m * (size_t)nv + (size_t)j]) + dt_bias[j]);
         const float decay = expf(gg);
         __syncthreads();
         float mp = 0.0f;
@@ -1403,7 +1438,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
         part[grp * dv + v] = mp;
         __syncthreads();
         const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
-        const float d = (vi[v] - mem) * beta;
+        const float d = (__ldcg(&vi[v]) - mem) * beta;
         __syncthreads();
         float op = 0.0f;
 #pragma unroll
@@ -1418,7 +1453,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
             float ss = block_sum(grp == 0 ? o * o : 0.0f, red);
             float inv = 1.0f / sqrtf(ss / (float)dv + eps);
             if (grp == 0) {
-                const float zz = z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v];
+                const float zz = __ldcg(&z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v]);
                 out[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v] = (norm_w[v] * (o * inv)) * silu_f(zz);
             }
         } else {
@@ -1435,23 +1470,24 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
     const int threads = 4 * dv;
     if (dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads || nv % nk != 0) return -1;
     const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
+    int st;
     switch (dk) {
     case 32:
-        k_gdn_rec<8><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
-                                                      S, out);
+        st = launch_k(k_gdn_rec<8>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
         break;
     case 64:
-        k_gdn_rec<16><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
-                                                       S, out);
+        st = launch_k(k_gdn_rec<16>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
         break;
     case 128:
-        k_gdn_rec<32><<<(unsigned)nv, threads, smem, g_stream>>>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M,
-                                                       S, out);
+        st = launch_k(k_gdn_rec<32>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
         break;
     default:
         return -1;
     }
-    return launch_status();
+    return st;
 }
 
 /* ---- copy bandwidth ------------------------------------------------------------------------- */
