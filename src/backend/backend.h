@@ -116,6 +116,13 @@ typedef struct df_backend_ops {
     /* linear_add: y[M, W->rows] += W · a with a = up ? silu(x) ⊙ up : x ([M, W->cols]): the
      * residual add (and the SwiGLU of an MLP) fused with the linear. */
     void (*linear_add)(df_backend *be, const df_linear *W, const float *x, const float *up, int M, float *y);
+    /* gdn_to: gdn reading the states from conv_in [K-1, C] and S_in [nv, dk, dv] and writing the
+     * advanced states to conv_state and S (other buffers; conv_in and S_in are left as they
+     * were): the bits of copying them over, then gdn. */
+    void (*gdn_to)(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                   const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
+                   const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
+                   float *out);
 } df_backend_ops;
 
 struct df_backend {

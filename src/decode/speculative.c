@@ -20,60 +20,56 @@ df_spec_params df_spec_params_default(void) {
     return p;
 }
 
-/* Per-round scratch: tap features, GDN snapshots and recorded projections. */
+/* Per-round scratch: tap features, and the verify pass's GDN projections and states. */
 typedef struct spec_ctx {
     df_session *s;
     const df_drafter_config *dc;
     int H, F;               /* hidden, n_taps*hidden */
     float *feats;           /* [DF_MAX_ROWS, F] host: tap outputs of the current tile */
-    float *tapbuf;          /* [DF_MAX_ROWS, H] host: one tap layer's rows (one transfer per layer) */
+    float *tapbuf;          /* [n_taps, DF_MAX_ROWS, H] host: the taps of one forward pass, as on the device */
+    float *dtaps;           /* [n_taps, tap_rows, H] backend memory: the current forward pass's taps */
+    int tap_rows;           /* rows in dtaps not yet fetched (0: none) */
     int tap_index[256];     /* target layer -> tap slot (or -1); layers beyond 256 never tap */
-    /* GDN rollback, per layer (NULL for attention layers); backend memory */
-    float **snap_conv, **snap_ssm;
+    /* the verify pass's GDN projections and advanced states, per layer (NULL for attention
+     * layers; backend memory): df_gdn_redirect */
+    float **alt_conv, **alt_ssm;
     float **rec_qkv, **rec_z, **rec_a, **rec_b;
-    int recording;
+    df_gdn_redirect redirect;
 } spec_ctx;
 
+/* Copies the tap layers' rows into dtaps on the device (no host round trip per layer). */
 static void on_tap(void *user, int layer, const float *x, int M) {
     spec_ctx *c = user;
     if (layer >= 256 || c->tap_index[layer] < 0) return;
     df_backend *be = c->s->be;
-    int slot = c->tap_index[layer];
-    be->ops->to_host(be, c->tapbuf, x, (size_t)M * (size_t)c->H * sizeof(float));
-    for (int m = 0; m < M; m++)
-        memcpy(c->feats + (size_t)m * (size_t)c->F + (size_t)slot * (size_t)c->H, c->tapbuf + (size_t)m * (size_t)c->H,
-               (size_t)c->H * sizeof(float));
+    const size_t slot = (size_t)c->tap_index[layer], n = (size_t)M * (size_t)c->H;
+    be->ops->copy(be, c->dtaps + slot * n, x, n * sizeof(float));
+    c->tap_rows = M;
 }
 
-static void on_gdn(void *user, int layer, const float *qkv, const float *z, const float *a, const float *b, int M) {
-    spec_ctx *c = user;
-    if (!c->recording) return;
-    df_backend *be = c->s->be;
-    const df_text_config *tc = &c->s->eng->pack->cfg;
-    const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim;
-    be->ops->copy(be, c->rec_qkv[layer], qkv, (size_t)M * (size_t)c->s->conv_ch * sizeof(float));
-    be->ops->copy(be, c->rec_z[layer], z, (size_t)M * Vd * sizeof(float));
-    be->ops->copy(be, c->rec_a[layer], a, (size_t)M * nv * sizeof(float));
-    be->ops->copy(be, c->rec_b[layer], b, (size_t)M * nv * sizeof(float));
-}
-
-static size_t conv_floats(const df_session *s) {
-    return (size_t)(s->eng->pack->cfg.conv_kernel - 1) * (size_t)s->conv_ch;
-}
-static size_t ssm_floats(const df_session *s) {
-    const df_text_config *c = &s->eng->pack->cfg;
-    return (size_t)c->lin_n_v_heads * (size_t)c->lin_k_head_dim * (size_t)c->lin_v_head_dim;
+/* The taps of the last forward pass into feats [M, F] (one transfer). */
+static void fetch_taps(spec_ctx *c) {
+    const int M = c->tap_rows, nt = c->dc->n_taps;
+    if (M <= 0) return;
+    const size_t n = (size_t)M * (size_t)c->H;
+    c->s->be->ops->to_host(c->s->be, c->tapbuf, c->dtaps, (size_t)nt * n * sizeof(float));
+    for (int t = 0; t < nt; t++)
+        for (int m = 0; m < M; m++)
+            memcpy(c->feats + (size_t)m * (size_t)c->F + (size_t)t * (size_t)c->H,
+                   c->tapbuf + (size_t)t * n + (size_t)m * (size_t)c->H, (size_t)c->H * sizeof(float));
+    c->tap_rows = 0;
 }
 
 static void ctx_free(spec_ctx *c) {
     const df_text_config *tc = &c->s->eng->pack->cfg;
     df_backend *be = c->s->be;
-    float **arrs[] = {c->snap_conv, c->snap_ssm, c->rec_qkv, c->rec_z, c->rec_a, c->rec_b};
+    float **arrs[] = {c->alt_conv, c->alt_ssm, c->rec_qkv, c->rec_z, c->rec_a, c->rec_b};
     for (size_t i = 0; i < 6; i++) {
         if (!arrs[i]) continue;
         for (int l = 0; l < tc->n_layers; l++) be->ops->dealloc(be, arrs[i][l]);
         free(arrs[i]);
     }
+    if (c->dtaps) be->ops->dealloc(be, c->dtaps);
     free(c->feats);
     free(c->tapbuf);
 }
@@ -90,21 +86,26 @@ static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *d
     for (int i = 0; i < dc->n_taps; i++)
         if (dc->taps[i] < 256) c->tap_index[dc->taps[i]] = i;
     c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
-    c->tapbuf = malloc((size_t)DF_MAX_ROWS * (size_t)c->H * sizeof(float));
+    c->tapbuf = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
+    c->dtaps = be->ops->alloc(be, (size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     const int L = tc->n_layers;
-    float ***arrs[] = {&c->snap_conv, &c->snap_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
+    float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
-    if (!c->feats || !c->tapbuf || !c->snap_conv || !c->snap_ssm || !c->rec_qkv || !c->rec_z || !c->rec_a || !c->rec_b) goto oom;
+    if (!c->feats || !c->tapbuf || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
+        !c->rec_a || !c->rec_b)
+        goto oom;
+    c->redirect = (df_gdn_redirect){.qkv = c->rec_qkv, .z = c->rec_z, .a = c->rec_a, .b = c->rec_b,
+                                    .conv = c->alt_conv, .ssm = c->alt_ssm};
     const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim, R = DF_MAX_ROWS;
     for (int l = 0; l < L; l++) {
         if (tc->layer_kinds[l] != DF_LAYER_LINEAR_ATTENTION) continue;
-        c->snap_conv[l] = be->ops->alloc(be, conv_floats(s) * sizeof(float) + sizeof(float));
-        c->snap_ssm[l] = be->ops->alloc(be, ssm_floats(s) * sizeof(float));
+        c->alt_conv[l] = be->ops->alloc(be, df_gdn_conv_bytes(s) + sizeof(float));
+        c->alt_ssm[l] = be->ops->alloc(be, df_gdn_ssm_bytes(s));
         c->rec_qkv[l] = be->ops->alloc(be, R * (size_t)s->conv_ch * sizeof(float));
         c->rec_z[l] = be->ops->alloc(be, R * Vd * sizeof(float));
         c->rec_a[l] = be->ops->alloc(be, R * nv * sizeof(float));
         c->rec_b[l] = be->ops->alloc(be, R * nv * sizeof(float));
-        if (!c->snap_conv[l] || !c->snap_ssm[l] || !c->rec_qkv[l] || !c->rec_z[l] || !c->rec_a[l] || !c->rec_b[l])
+        if (!c->alt_conv[l] || !c->alt_ssm[l] || !c->rec_qkv[l] || !c->rec_z[l] || !c->rec_a[l] || !c->rec_b[l])
             goto oom;
     }
     return DF_OK;
@@ -113,18 +114,10 @@ oom:
     return df_error_set(err, DF_ERR_NOMEM, "speculative decoding: out of memory for rollback buffers");
 }
 
-static void snapshot_gdn(spec_ctx *c) {
-    df_session *s = c->s;
-    const df_text_config *tc = &s->eng->pack->cfg;
-    for (int l = 0; l < tc->n_layers; l++) {
-        if (!c->snap_conv[l]) continue;
-        s->be->ops->copy(s->be, c->snap_conv[l], s->layer[l].conv_state, conv_floats(s) * sizeof(float));
-        s->be->ops->copy(s->be, c->snap_ssm[l], s->layer[l].ssm_state, ssm_floats(s) * sizeof(float));
-    }
-}
-
-/* Restores the start-of-round GDN states and replays rows 0..rows-1 of the verify pass. */
-static void rollback_gdn(spec_ctx *c, int rows) {
+/* After a verify pass of Bv rows that wrote its GDN states to alt_*: all rows accepted (rows ==
+ * Bv): the states become the session's; otherwise the session's states (still those of the
+ * start of the round) advance by replaying rows 0..rows-1 of the pass. */
+static void settle_gdn(spec_ctx *c, int rows, int Bv) {
     df_session *s = c->s;
     const df_pack *pk = s->eng->pack;
     const df_text_config *tc = &pk->cfg;
@@ -132,13 +125,17 @@ static void rollback_gdn(spec_ctx *c, int rows) {
                               .k_head_dim = tc->lin_k_head_dim, .v_head_dim = tc->lin_v_head_dim,
                               .conv_kernel = tc->conv_kernel, .eps = tc->rms_norm_eps};
     for (int l = 0; l < tc->n_layers; l++) {
-        if (!c->snap_conv[l]) continue;
+        if (!c->alt_conv[l]) continue;
         df_session_layer *sl = &s->layer[l];
         const df_layer_weights *w = &pk->layers[l];
-        s->be->ops->copy(s->be, sl->conv_state, c->snap_conv[l], conv_floats(s) * sizeof(float));
-        s->be->ops->copy(s->be, sl->ssm_state, c->snap_ssm[l], ssm_floats(s) * sizeof(float));
-        s->be->ops->gdn(s->be, &gsh, c->rec_qkv[l], c->rec_z[l], c->rec_a[l], c->rec_b[l], w->conv1d.data,
-                        w->A_log.data, w->dt_bias.data, w->gdn_norm.data, rows, sl->conv_state, sl->ssm_state, NULL);
+        if (rows == Bv) {
+            s->be->ops->copy(s->be, sl->conv_state, c->alt_conv[l], df_gdn_conv_bytes(s));
+            s->be->ops->copy(s->be, sl->ssm_state, c->alt_ssm[l], df_gdn_ssm_bytes(s));
+        } else {
+            s->be->ops->gdn(s->be, &gsh, c->rec_qkv[l], c->rec_z[l], c->rec_a[l], c->rec_b[l], w->conv1d.data,
+                            w->A_log.data, w->dt_bias.data, w->gdn_norm.data, rows, sl->conv_state, sl->ssm_state,
+                            NULL);
+        }
     }
 }
 
@@ -180,23 +177,25 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     df_textout_init(&out, eng->tok, params, cb, user);
     df_session_reset(s);
     df_draft_state_reset(ds);
-    s->tap = on_tap;
     s->tap_user = &c;
-    s->gdn_record = on_gdn;
-    s->gdn_record_user = &c;
     const int window = df_draft_state_window(ds);
 
-    /* prefill, feeding the drafter the taps of the last `window` prompt rows */
+    /* prefill, feeding the drafter the taps of the last `window` prompt rows (taps only on
+     * the tiles that hold them) */
     double t0 = df_now_ms();
     for (int i = 0; i < n_prompt && st == DF_OK; i += DF_MAX_ROWS) {
         int M = n_prompt - i < DF_MAX_ROWS ? n_prompt - i : DF_MAX_ROWS;
         int last = i + M == n_prompt;
+        const int in_window = i + M > n_prompt - window;
+        s->tap = in_window ? on_tap : NULL;
         st = df_target_forward_rows(s, prompt + i, M, last ? logits : NULL, M - 1, err);
-        if (st == DF_OK && i + M > n_prompt - window) {
+        if (st == DF_OK && in_window) {
+            fetch_taps(&c);
             int skip = n_prompt - window > i ? n_prompt - window - i : 0;
             st = df_draft_add_context(ds, c.feats + (size_t)skip * (size_t)c.F, M - skip, i + skip, err);
         }
     }
+    s->tap = on_tap;
     double t1 = df_now_ms();
     res->prompt_ms = t1 - t0;
     int cap_tokens = s->max_ctx - n_prompt;
@@ -220,17 +219,21 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             st = df_draft_block(ds, bonus, p0, Bv, rows + 1, NULL, NULL, err);
             if (st != DF_OK) break;
             if (sp.override) sp.override(sp.override_user, out.n_ids, bonus, Bv, rows + 1);
-            snapshot_gdn(&c);
         } else {
             Bv = 1; /* one token left: a plain decode step */
         }
-        c.recording = Bv >= 2;
+        /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
+        s->gdn_redirect = Bv >= 2 ? &c.redirect : NULL;
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
         st = df_target_forward_argmax(s, rows, Bv, t, err);
-        c.recording = 0;
+        s->gdn_redirect = NULL;
         if (st != DF_OK) break;
+        fetch_taps(&c);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
+        /* keep the accepted rows 0..a: positions, and the GDN states */
+        s->pos = p0 + a + 1;
+        if (Bv >= 2) settle_gdn(&c, a + 1, Bv);
         if (Bv >= 2) {
             res->draft_rounds++;
             res->draft_n += Bv - 1;
@@ -243,9 +246,6 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
         }
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
-        /* roll back to the accepted rows 0..a */
-        s->pos = p0 + a + 1;
-        if (a + 1 < Bv) rollback_gdn(&c, a + 1);
         st = df_draft_add_context(ds, c.feats, a + 1, p0, err);
         bonus = t[a];
         if (sp.adaptive && Bv >= 2) {
@@ -254,7 +254,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         }
     }
     s->tap = NULL;
-    s->gdn_record = NULL;
+    s->gdn_redirect = NULL;
     res->decode_ms = df_now_ms() - t1;
     int rounds = res->draft_rounds, dn = res->draft_n, da = res->draft_n_accepted;
     df_textout_finish(&out, res);

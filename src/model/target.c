@@ -168,6 +168,15 @@ void df_session_reset(df_session *s) {
     s->pos = 0;
 }
 
+size_t df_gdn_conv_bytes(const df_session *s) {
+    return (size_t)(s->eng->pack->cfg.conv_kernel - 1) * (size_t)s->conv_ch * sizeof(float);
+}
+
+size_t df_gdn_ssm_bytes(const df_session *s) {
+    const df_text_config *c = &s->eng->pack->cfg;
+    return (size_t)c->lin_n_v_heads * (size_t)c->lin_k_head_dim * (size_t)c->lin_v_head_dim * sizeof(float);
+}
+
 int df_session_pos(const df_session *s) { return s->pos; }
 int df_session_max_ctx(const df_session *s) { return s->max_ctx; }
 void df_session_capture_hidden(df_session *s, float *hidden) {
@@ -300,11 +309,29 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
             linear_add(s, &w->o_proj, s->t3, NULL, M, s->x);
         } else {
             const df_linear *Ws[4] = {&w->in_proj_qkv, &w->in_proj_z, &w->in_proj_a, &w->in_proj_b};
+            const df_gdn_redirect *rd = s->gdn_redirect;
             float *ys[4] = {s->t1, s->t2, s->ta, s->tb};
+            if (rd) {
+                ys[0] = rd->qkv[l];
+                ys[1] = rd->z[l];
+                ys[2] = rd->a[l];
+                ys[3] = rd->b[l];
+            }
             norm_linears(s, s->x, w->input_norm.data, M, 4, Ws, ys);
-            if (s->gdn_record) s->gdn_record(s->gdn_record_user, l, s->t1, s->t2, s->ta, s->tb, M);
-            op->gdn(be, &gsh, s->t1, s->t2, s->ta, s->tb, w->conv1d.data, w->A_log.data, w->dt_bias.data,
-                    w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, s->t3);
+            if (rd && op->gdn_to) {
+                op->gdn_to(be, &gsh, ys[0], ys[1], ys[2], ys[3], w->conv1d.data, w->A_log.data, w->dt_bias.data,
+                           w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, rd->conv[l], rd->ssm[l], s->t3);
+            } else {
+                float *cs = sl->conv_state, *ss = sl->ssm_state;
+                if (rd) { /* the composition of gdn_to */
+                    op->copy(be, rd->conv[l], cs, df_gdn_conv_bytes(s));
+                    op->copy(be, rd->ssm[l], ss, df_gdn_ssm_bytes(s));
+                    cs = rd->conv[l];
+                    ss = rd->ssm[l];
+                }
+                op->gdn(be, &gsh, ys[0], ys[1], ys[2], ys[3], w->conv1d.data, w->A_log.data, w->dt_bias.data,
+                        w->gdn_norm.data, M, cs, ss, s->t3);
+            }
             linear_add(s, &w->out_proj, s->t3, NULL, M, s->x);
         }
         const df_linear *Wm[2] = {&w->gate_proj, &w->up_proj};

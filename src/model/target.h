@@ -18,10 +18,14 @@ typedef struct df_session_layer {
     float *ssm_state;            /* GDN: [nv, dk, dv] */
 } df_session_layer;
 
-/* Called with each GDN layer's projections (qkv [M, C], z [M, Vd], a, b [M, nv]) before the
- * recurrence runs: lets the speculative decoder replay accepted rows on rollback. */
-typedef void (*df_gdn_record_fn)(void *user, int layer, const float *qkv, const float *z, const float *a,
-                                 const float *b, int M);
+/* Where a speculative verify pass puts what GDN layer l computes (backend memory; entries NULL
+ * for attention layers): its projections qkv[l] [M, C], z[l] [M, Vd], a[l], b[l] [M, nv] (kept
+ * so that accepted rows can be replayed on rollback), and its advanced states conv[l], ssm[l]
+ * (the session's own states stay those of the start of the round). */
+typedef struct df_gdn_redirect {
+    float **qkv, **z, **a, **b;
+    float **conv, **ssm;
+} df_gdn_redirect;
 /* Called with the residual stream [M, hidden] after each layer (drafter context taps). */
 typedef void (*df_tap_fn)(void *user, int layer, const float *x, int M);
 
@@ -36,11 +40,14 @@ struct df_session {
     float *capture;
     int capture_n, capture_row;
     /* speculative decoding hooks */
-    df_gdn_record_fn gdn_record;
-    void *gdn_record_user;
+    const df_gdn_redirect *gdn_redirect; /* NULL: projections in the tile buffers, states in place */
     df_tap_fn tap;
     void *tap_user;
 };
+
+/* Bytes of one GDN layer's conv state [K-1, conv_ch] and recurrent state [nv, dk, dv]. */
+size_t df_gdn_conv_bytes(const df_session *s);
+size_t df_gdn_ssm_bytes(const df_session *s);
 
 /* Runs one tile of M <= DF_MAX_ROWS tokens at positions s->pos.. and advances s->pos.
  * logits (host, [M - logits_from, vocab]) receives rows logits_from.. when non-NULL.

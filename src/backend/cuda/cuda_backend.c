@@ -1359,7 +1359,7 @@ static void cu_attention(df_backend *be, const df_attn_shape *sh, float *q, floa
 }
 
 typedef struct a_gdn {
-    const float *qkv, *z, *a, *b, *cw, *al, *dt, *nw;
+    const float *qkv, *z, *a, *b, *cw, *al, *dt, *nw, *conv_in, *S_in;
     float *conv_state, *S, *out, *conv_out;
     float eps;
     int nk, nv, dk, dv, C, K, M;
@@ -1368,15 +1368,17 @@ typedef struct a_gdn {
 static int run_gdn(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn *g = args;
-    int st = dfk_gdn_conv(g->qkv, g->cw, g->C, g->K, g->M, g->conv_state, g->conv_out);
+    int st = dfk_gdn_conv(g->qkv, g->cw, g->C, g->K, g->M, g->conv_in, g->conv_state, g->conv_out);
     if (st) return st;
     return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, g->nk, g->nv, g->dk, g->dv, g->eps,
-                              g->M, g->S, g->out);
+                              g->M, g->S_in, g->S, g->out);
 }
 
-static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
-                   const float *b, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w,
-                   int M, float *conv_state, float *S, float *out) {
+/* backend.h `gdn_to` (conv_in == conv_state and S_in == S: `gdn`, in place). */
+static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                      const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
+                      const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
+                      float *out) {
     cuda_backend *cb = cub(be);
     a_gdn g;
     memset(&g, 0, sizeof g);
@@ -1402,10 +1404,18 @@ static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, con
     g.z = z;
     g.a = a;
     g.b = b;
+    g.conv_in = conv_in;
+    g.S_in = S_in;
     g.conv_state = conv_state;
     g.S = S;
     g.out = out;
     record(cb, run_gdn, "gdn", &g, sizeof g);
+}
+
+static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                   const float *b, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w,
+                   int M, float *conv_state, float *S, float *out) {
+    cu_gdn_to(be, sh, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, M, conv_state, S, conv_state, S, out);
 }
 
 typedef struct a_dyn {
@@ -1528,6 +1538,7 @@ static const df_backend_ops cuda_ops = {
     .argmax = cu_argmax,
     .linears = cu_linears,
     .linear_add = cu_linear_add,
+    .gdn_to = cu_gdn_to,
 };
 
 int df_cuda_available(void) {

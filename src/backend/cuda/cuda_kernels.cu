@@ -1348,7 +1348,8 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 
 #define GDN_MAX_K 16
 
-__global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, float *state, float *out) {
+__global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, const float *state_in, float *state,
+                           float *out) {
     k_pdl_begin();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
@@ -1356,7 +1357,7 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
     float wk[GDN_MAX_K];
 #pragma unroll
     for (int j = 0; j < GDN_MAX_K; j++) {
-        win[j] = (j < K - 1) ? __ldcg(&state[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
+        win[j] = (j < K - 1) ? __ldcg(&state_in[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
         wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
     }
     for (int m = 0; m < M; m++) {
@@ -1377,11 +1378,11 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
         if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
 }
 
-extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state,
-                            float *conv_out) {
+extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, const float *state_in,
+                            float *conv_state, float *conv_out) {
     if (K < 1 || K > GDN_MAX_K) return (int)cudaErrorInvalidValue;
-    return launch_k(k_gdn_conv, dim3((unsigned)((C + 255) / 256)), dim3(256), 0, qkv, conv_w, C, K, M, conv_state,
-                    conv_out);
+    return launch_k(k_gdn_conv, dim3((unsigned)((C + 255) / 256)), dim3(256), 0, qkv, conv_w, C, K, M, state_in,
+                    conv_state, conv_out);
 }
 
 static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -1392,7 +1393,7 @@ static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ?
 template <int SPT>
 __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
                           const float *dt_bias, const float *norm_w, int nk, int nv, int dv, float eps, int M,
-                          float *S, float *out) {
+                          const float *S_in, float *S, float *out) {
     k_pdl_begin();
     constexpr int DK = 4 * SPT;
     extern __shared__ float gsm[];
@@ -1403,10 +1404,11 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
     const int j = blockIdx.x, kh = j / (nv / nk);
     const int tid = threadIdx.x, v = tid % dv, grp = tid / dv;
     const int Kd = nk * DK, Vd = nv * dv, C = 2 * Kd + Vd;
+    const float *Sj_in = S_in + (size_t)j * (size_t)DK * (size_t)dv;
     float *Sj = S + (size_t)j * (size_t)DK * (size_t)dv;
     float s[SPT];
 #pragma unroll
-    for (int i = 0; i < SPT; i++) s[i] = __ldcg(&Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v]);
+    for (int i = 0; i < SPT; i++) s[i] = __ldcg(&Sj_in[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v]);
     const float qscale = 1.0f / sqrtf((float)DK);
     const float A = -expf(A_log[j]);
     for (int m = 0; m < M; m++) {
@@ -1466,7 +1468,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
 
 extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b,
                                   const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv,
-                                  int dk, int dv, float eps, int M, float *S, float *out) {
+                                  int dk, int dv, float eps, int M, const float *S_in, float *S, float *out) {
     const int threads = 4 * dv;
     if (dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads || nv % nk != 0) return -1;
     const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
@@ -1474,15 +1476,15 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
     switch (dk) {
     case 32:
         st = launch_k(k_gdn_rec<8>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
-                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
         break;
     case 64:
         st = launch_k(k_gdn_rec<16>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
-                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
         break;
     case 128:
         st = launch_k(k_gdn_rec<32>, dim3((unsigned)nv), dim3((unsigned)threads), smem, conv_out, z, a, b, A_log,
-                      dt_bias, norm_w, nk, nv, dv, eps, M, S, out);
+                      dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
         break;
     default:
         return -1;

@@ -260,15 +260,19 @@ int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *
 
 /* ---- Gated DeltaNet ----------------------------------------------------------------------- */
 
-/* Causal depthwise conv + SiLU over M rows in order (MODEL.md §1): conv_out [M, C]. */
-int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, float *conv_state, float *conv_out);
+/* Causal depthwise conv + SiLU over M rows in order (MODEL.md §1): conv_out [M, C]. Reads the
+ * state [K-1, C] from state_in and writes the advanced state to conv_state (the same buffer,
+ * or another: state_in is then unchanged). */
+int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, const float *state_in,
+                 float *conv_state, float *conv_out);
 
 /* The recurrence for M rows in order, one block per value head; out may be NULL (states
- * only). Supported key head dims: 32, 64, 128 (value head dim <= 256). Returns -1 for an
+ * only). Reads S [nv, dk, dv] from S_in and writes the advanced S to S (the same buffer, or
+ * another). Supported key head dims: 32, 64, 128 (value head dim <= 256). Returns -1 for an
  * unsupported shape. */
 int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
                        const float *dt_bias, const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M,
-                       float *S, float *out);
+                       const float *S_in, float *S, float *out);
 
 /* ---- misc ----------------------------------------------------------------------------------- */
 
