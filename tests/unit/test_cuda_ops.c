@@ -534,6 +534,41 @@ static void test_embed(void **state) {
     }
 }
 
+/* copy has memmove semantics on the device too: overlapping ranges in both directions (the
+ * drafter shifts its KV cache down in place once its window is full), and a disjoint copy. */
+static void test_copy_overlap(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const size_t n = 1 << 20, shifts[] = {4, 4096, 300000};
+    float *h = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) h[i] = (float)i;
+    float *d = dput(be, h, n * 4);
+    for (size_t k = 0; k < 3; k++) {
+        for (int dir = 0; dir < 2; dir++) {
+            const size_t sh = shifts[k], len = n - sh;
+            memcpy(ref, h, n * 4);
+            be->ops->to_device(be, d, h, n * 4);
+            if (dir == 0) { /* down: dst < src */
+                memmove(ref, ref + sh, len * 4);
+                be->ops->copy(be, d, d + sh, len * 4);
+            } else {
+                memmove(ref + sh, ref, len * 4);
+                be->ops->copy(be, d + sh, d, len * 4);
+            }
+            dget(be, got, d, n * 4);
+            if (memcmp(got, ref, n * 4) != 0) fail_msg("overlapping copy (shift %zu, %s) differs from memmove", sh,
+                                                      dir == 0 ? "down" : "up");
+        }
+    }
+    gpu_ok(be, "copy");
+    printf("copy: overlapping ranges (shifts 4, 4096, 300000 floats, both directions) == memmove\n");
+    dfree_(be, d);
+    free(h);
+    free(ref);
+    free(got);
+}
+
 /* ---- attention ---------------------------------------------------------------------------------------- */
 
 static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) {
@@ -999,6 +1034,7 @@ int main(void) {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_chain),
+        cmocka_unit_test(test_copy_overlap),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

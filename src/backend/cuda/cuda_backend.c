@@ -75,6 +75,8 @@ typedef struct cuda_backend {
     size_t qx_cap[DFK_QMAX], qe_cap[DFK_QMAX], qs_cap[DFK_QMAX];
     float *hbuf, *lbuf;
     size_t hbuf_cap, lbuf_cap;
+    void *mbuf; /* overlapping copies go through it */
+    size_t mbuf_cap;
     int force_simple;
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
@@ -706,14 +708,24 @@ static void cu_to_host(df_backend *be, void *dst, const void *src, size_t n) {
     if (n) check(cb, (int)cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "to_host");
 }
 
+/* backend.h `copy` (memmove semantics: a device-to-device copy may not overlap, so overlapping
+ * ranges go through a scratch buffer). */
 static void cu_copy(df_backend *be, void *dst, const void *src, size_t n) {
-    if (!n) return;
+    cuda_backend *cb = cub(be);
+    if (!n || dst == src) return;
+    const char *d = dst, *s = src;
+    if (d < s + n && s < d + n) {
+        if (!scratch(cb, &cb->mbuf, &cb->mbuf_cap, n, 1)) return;
+        cu_copy(be, cb->mbuf, src, n);
+        cu_copy(be, dst, cb->mbuf, n);
+        return;
+    }
     a_copy a;
     memset(&a, 0, sizeof a);
     a.dst = dst;
     a.src = src;
     a.n = n;
-    record(cub(be), run_copy, "copy", &a, sizeof a);
+    record(cb, run_copy, "copy", &a, sizeof a);
 }
 
 static void cu_zero(df_backend *be, void *dst, size_t n) {
@@ -1497,7 +1509,7 @@ static void cu_destroy(df_backend *be) {
         free(cb->w[i]);
     }
     free(cb->w);
-    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams, cb->hbuf, cb->lbuf};
+    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
     if (cb->chain_trace) cudaFree(cb->chain_trace);
     for (int i = 0; i < DFK_QMAX; i++) {

@@ -1360,8 +1360,16 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
         win[j] = (j < K - 1) ? __ldcg(&state_in[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
         wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
     }
+    float xr[16]; /* the inputs of 16 rows at a time, loaded together */
     for (int m = 0; m < M; m++) {
-        const float xin = __ldcg(&qkv[(size_t)m * (size_t)C + (size_t)ch]);
+        if (m % 16 == 0) {
+#pragma unroll
+            for (int r = 0; r < 16; r++) xr[r] = m + r < M ? __ldcg(&qkv[(size_t)(m + r) * (size_t)C + (size_t)ch]) : 0.0f;
+        }
+        float xin = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 16; r++)
+            if (r == m % 16) xin = xr[r];
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < GDN_MAX_K; j++) {
@@ -1411,24 +1419,34 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
     for (int i = 0; i < SPT; i++) s[i] = __ldcg(&Sj_in[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v]);
     const float qscale = 1.0f / sqrtf((float)DK);
     const float A = -expf(A_log[j]);
-    for (int m = 0; m < M; m++) {
+    /* a row's inputs for this thread (q, k element tid; a, b of the head; v column v; z when
+     * out), loaded one row ahead: their latency overlaps the previous row's work */
+    const float dtb = dt_bias[j];
+    float in_n[6];
+    auto load_row = [&](int m, float *r) {
         const float *row = conv_out + (size_t)m * (size_t)C;
-        const float *qi = row + (size_t)kh * DK;
-        const float *ki = row + (size_t)Kd + (size_t)kh * DK;
-        const float *vi = row + 2 * (size_t)Kd + (size_t)j * (size_t)dv;
-        float qv = 0.0f, kv = 0.0f;
-        if (tid < DK) {
-            qv = __ldcg(&qi[tid]);
-            kv = __ldcg(&ki[tid]);
-        }
+        r[0] = tid < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)tid]) : 0.0f;
+        r[1] = tid < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)tid]) : 0.0f;
+        r[2] = __ldcg(&b[(size_t)m * (size_t)nv + (size_t)j]);
+        r[3] = __ldcg(&a[(size_t)m * (size_t)nv + (size_t)j]);
+        r[4] = __ldcg(&row[2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v]);
+        r[5] = (out && grp == 0) ? __ldcg(&z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v]) : 0.0f;
+    };
+    if (M > 0) load_row(0, in_n);
+    for (int m = 0; m < M; m++) {
+        float in[6];
+#pragma unroll
+        for (int i = 0; i < 6; i++) in[i] = in_n[i];
+        if (m + 1 < M) load_row(m + 1, in_n);
+        const float qv = in[0], kv = in[1];
         float qn = 1.0f / sqrtf(block_sum(qv * qv, red) + 1e-6f);
         float kn = 1.0f / sqrtf(block_sum(kv * kv, red) + 1e-6f);
         if (tid < DK) {
             qs[tid] = (qv * qn) * qscale;
             ks[tid] = kv * kn;
         }
-        const float beta = sigmoid_f(__ldcg(&b[(size_t)m * (size_t)nv + (size_t)j]));
-        const float gg = A * softplus_f(__ldcg(&a[(size_t)m * (size_t)nv + (size_t)j]) + dt_bias[j]);
+        const float beta = sigmoid_f(in[2]);
+        const float gg = A * softplus_f(in[3] + dtb);
         const float decay = expf(gg);
         __syncthreads();
         float mp = 0.0f;
@@ -1440,7 +1458,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
         part[grp * dv + v] = mp;
         __syncthreads();
         const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
-        const float d = (__ldcg(&vi[v]) - mem) * beta;
+        const float d = (in[4] - mem) * beta;
         __syncthreads();
         float op = 0.0f;
 #pragma unroll
@@ -1455,8 +1473,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
             float ss = block_sum(grp == 0 ? o * o : 0.0f, red);
             float inv = 1.0f / sqrtf(ss / (float)dv + eps);
             if (grp == 0) {
-                const float zz = __ldcg(&z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v]);
-                out[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v] = (norm_w[v] * (o * inv)) * silu_f(zz);
+                out[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v] = (norm_w[v] * (o * inv)) * silu_f(in[5]);
             }
         } else {
             __syncthreads(); /* part is rewritten by the next row */
