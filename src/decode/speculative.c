@@ -115,8 +115,9 @@ oom:
 }
 
 /* After a verify pass of Bv rows that wrote its GDN states to alt_*: all rows accepted (rows ==
- * Bv): the states become the session's; otherwise the session's states (still those of the
- * start of the round) advance by replaying rows 0..rows-1 of the pass. */
+ * Bv): the states become the session's (the buffers trade places: each array keeps one buffer
+ * of every pair, so each is still freed once); otherwise the session's states (still those of
+ * the start of the round) advance by replaying rows 0..rows-1 of the pass. */
 static void settle_gdn(spec_ctx *c, int rows, int Bv) {
     df_session *s = c->s;
     const df_pack *pk = s->eng->pack;
@@ -129,8 +130,12 @@ static void settle_gdn(spec_ctx *c, int rows, int Bv) {
         df_session_layer *sl = &s->layer[l];
         const df_layer_weights *w = &pk->layers[l];
         if (rows == Bv) {
-            s->be->ops->copy(s->be, sl->conv_state, c->alt_conv[l], df_gdn_conv_bytes(s));
-            s->be->ops->copy(s->be, sl->ssm_state, c->alt_ssm[l], df_gdn_ssm_bytes(s));
+            float *t = sl->conv_state;
+            sl->conv_state = c->alt_conv[l];
+            c->alt_conv[l] = t;
+            t = sl->ssm_state;
+            sl->ssm_state = c->alt_ssm[l];
+            c->alt_ssm[l] = t;
         } else {
             s->be->ops->gdn(s->be, &gsh, c->rec_qkv[l], c->rec_z[l], c->rec_a[l], c->rec_b[l], w->conv1d.data,
                             w->A_log.data, w->dt_bias.data, w->gdn_norm.data, rows, sl->conv_state, sl->ssm_state,

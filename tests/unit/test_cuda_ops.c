@@ -534,6 +534,57 @@ static void test_embed(void **state) {
     }
 }
 
+/* Tensor-core linears of one input recorded in one step share one input preparation (the
+ * backend skips a repeated identical one): their outputs == each linear alone in its own step,
+ * bit for bit; and a linear that writes into its input's range in between stops the sharing. */
+static void test_prep_shared(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int cols = 320, M = 5, rows[3] = {40, 24, 320};
+    qlin q[3];
+    for (int i = 0; i < 3; i++) make_linear(&q[i], rows[i], cols, 0, 0, 0, DF_DTYPE_BF16, 0);
+    float *x = malloc((size_t)M * cols * 4), *ya = malloc((size_t)M * cols * 4), *yb = malloc((size_t)M * cols * 4);
+    for (int i = 0; i < M * cols; i++) x[i] = frand();
+    float *dx = dput(be, x, (size_t)M * cols * 4), *dy[3];
+    for (int i = 0; i < 3; i++) dy[i] = be->ops->alloc(be, (size_t)M * rows[i] * 4);
+    /* one step: W0·x, W1·x (shared preparation), then W2·x written over x itself, then W0·x again (x
+     * changed: a new preparation) */
+    be->ops->linear(be, &q[0].L, dx, M, dy[0]);
+    be->ops->linear(be, &q[1].L, dx, M, dy[1]);
+    be->ops->linear(be, &q[2].L, dx, M, dx); /* in place: reads only its prepared input */
+    be->ops->linear(be, &q[0].L, dx, M, dy[2]);
+    float *got[3];
+    for (int i = 0; i < 3; i++) {
+        got[i] = malloc((size_t)M * cols * 4);
+        dget(be, got[i], dy[i], (size_t)M * rows[i] * 4);
+    }
+    /* each alone */
+    be->ops->to_device(be, dx, x, (size_t)M * cols * 4);
+    for (int i = 0; i < 2; i++) {
+        be->ops->linear(be, &q[i].L, dx, M, dy[i]);
+        dget(be, ya, dy[i], (size_t)M * rows[i] * 4);
+        if (memcmp(ya, got[i], (size_t)M * rows[i] * 4) != 0) fail_msg("linear %d with a shared preparation differs", i);
+    }
+    be->ops->linear(be, &q[2].L, dx, M, dy[2]);
+    dget(be, ya, dy[2], (size_t)M * cols * 4);
+    be->ops->to_device(be, dx, ya, (size_t)M * cols * 4);
+    be->ops->linear(be, &q[0].L, dx, M, dy[2]);
+    dget(be, yb, dy[2], (size_t)M * rows[0] * 4);
+    if (memcmp(yb, got[2], (size_t)M * rows[0] * 4) != 0) fail_msg("linear after its input changed differs");
+    gpu_ok(be, "shared preparation");
+    printf("tensor-core linears sharing one input preparation == alone; input rewritten in between: prepared again\n");
+    for (int i = 0; i < 3; i++) {
+        dfree_(be, dy[i]);
+        free(got[i]);
+        free_linear(&q[i]);
+    }
+    dfree_(be, dx);
+    free(x);
+    free(ya);
+    free(yb);
+}
+
 /* copy has memmove semantics on the device too: overlapping ranges in both directions (the
  * drafter shifts its KV cache down in place once its window is full), and a disjoint copy. */
 static void test_copy_overlap(void **state) {
@@ -1034,7 +1085,7 @@ int main(void) {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_chain),
-        cmocka_unit_test(test_copy_overlap),
+        cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_prep_shared),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -845,6 +845,25 @@ static int run_lin_simple(cuda_backend *cb, const void *args) {
 static void lin_group(cuda_backend *cb, const float *x, const float *up, const float *norm_w, float eps, int mm,
                       int cols, int n, const df_linear *const *Ws, float *const *ys, int add, float *h_out);
 
+/* 1 when the commands recorded last are a run_prep with exactly the arguments p, then only
+ * tensor-core linears that read its outputs and write nothing it reads (x, bytes): its outputs
+ * still hold what p would write (several linears of one input, e.g. q/k/v, share one
+ * preparation). */
+static int prep_recorded(const cuda_backend *cb, const a_prep *p, size_t x_bytes) {
+    const char *x0 = (const char *)p->x, *x1 = x0 + x_bytes;
+    for (size_t k = cb->n_cmds; k-- > 0;) {
+        const cmd *c = &cb->cmds[k];
+        if (c->fn == run_lin_mma) {
+            const a_lin *l = (const void *)c->args;
+            const char *y0 = (const char *)l->y, *y1 = y0 + (size_t)l->M * (size_t)l->rows * sizeof(float);
+            if (y0 < x1 && x0 < y1) return 0;
+            continue;
+        }
+        return c->fn == run_prep && memcmp(c->args, p, sizeof *p) == 0;
+    }
+    return 0;
+}
+
 static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y) {
     cuda_backend *cb = cub(be);
     const wentry *e = dlin(cb, W, W_LIN);
@@ -914,7 +933,8 @@ static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M,
         p.xb = cb->xb;
         p.gs = gs;
         p.seg = prep_seg(cols, hb, quant ? gs : 64);
-        record(cb, run_prep, "linear prep", &p, sizeof p);
+        if (!prep_recorded(cb, &p, (size_t)mm * (size_t)cols * sizeof(float)))
+            record(cb, run_prep, "linear prep", &p, sizeof p);
         const int tiles = (rows + 15) / 16, RW = 8 / e->KW;
         int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
         const int trmax = dfk_linear_mma_max_tr(e->mode, e->lgs, mm);
