@@ -1144,6 +1144,28 @@ static int launch_q(const qlaunch &P, unsigned units) {
 /* Shared memory a k_lin_qr CTA may take for the input copy and the rings. */
 #define QR_SMEM_MAX (200 * 1024)
 
+/* Resident CTAs per SM of a 256-thread kernel with `smem` bytes of dynamic shared memory (its
+ * cap raised to QR_SMEM_MAX on first use), cached per launcher instance in c. */
+struct q_occ {
+    bool attr;
+    size_t smem;
+    int per;
+};
+template <typename K>
+static int q_occupancy(K kern, size_t smem, q_occ &c) {
+    if (!c.attr) {
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, QR_SMEM_MAX);
+        c.attr = true;
+    }
+    if (c.smem != smem || c.per == 0) {
+        int per = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, 256, smem) != cudaSuccess || per < 1) per = 1;
+        c.per = per;
+        c.smem = smem;
+    }
+    return c.per;
+}
+
 /* k_lin_qr on a persistent grid: G CTAs (P.ctas, or as many as fit on the device at once,
  * lowered so that every CTA runs ceil(U/G) or one unit fewer); the input copy in shared
  * memory when it fits beside the rings. */
@@ -1162,21 +1184,9 @@ static int launch_qr(qlaunch P, unsigned units) {
     const size_t smem = (smb ? in : 0) + R::BYTES;
     void (*kern)(qlaunch) = P.sb_bf16 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 1> : k_lin_qr<BITS, GS, NT, MINB, false, 1>)
                                       : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 0> : k_lin_qr<BITS, GS, NT, MINB, false, 0>);
-    const int ki = (smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0);
-    static bool attr[4] = {false, false, false, false};
-    static size_t occ_smem[4] = {0, 0, 0, 0};
-    static int occ[4] = {0, 0, 0, 0};
-    if (!attr[ki]) {
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, QR_SMEM_MAX);
-        attr[ki] = true;
-    }
-    if (occ_smem[ki] != smem) {
-        int per = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, 256, smem) != cudaSuccess || per < 1) per = 1;
-        occ[ki] = per;
-        occ_smem[ki] = smem;
-    }
-    unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * occ[ki]);
+    static q_occ occ[4];
+    const int per_sm = q_occupancy(kern, smem, occ[(smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0)]);
+    unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * per_sm);
     if (blocks > units) blocks = units;
     const unsigned per = (units + blocks - 1) / blocks;
     blocks = (units + per - 1) / per;
@@ -1444,22 +1454,9 @@ static int launch_chain(qchain &P, int sb_bf16, int ctas, int max_cols, int *gri
     const size_t smem = chain_smem<BITS, GS, NT>(P.M, max_cols, &P.ring_off);
     if (smem > QR_SMEM_MAX) return (int)cudaErrorInvalidValue;
     void (*kern)(qchain) = sb_bf16 ? k_chain<BITS, GS, NT, MINB, 1> : k_chain<BITS, GS, NT, MINB, 0>;
-    static bool attr[2] = {false, false};
-    static size_t occ_smem[2] = {0, 0};
-    static int occ[2] = {0, 0};
-    const int ki = sb_bf16 ? 1 : 0;
-    if (!attr[ki]) {
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, QR_SMEM_MAX);
-        attr[ki] = true;
-    }
-    if (occ_smem[ki] != smem) {
-        int per = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, 256, smem) != cudaSuccess || per < 1) per = 1;
-        occ[ki] = per;
-        occ_smem[ki] = smem;
-    }
+    static q_occ occ[2];
     /* never more CTAs than fit at once: the grid barrier needs them all resident */
-    const int fit = g_q_sms * occ[ki];
+    const int fit = g_q_sms * q_occupancy(kern, smem, occ[sb_bf16 ? 1 : 0]);
     const int G = ctas > 0 && ctas < fit ? ctas : fit;
     if (grid) *grid = G;
     for (int i = 0; i < P.nph; i++)
