@@ -686,20 +686,37 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
     for (int l = 0; l < c->n_layers; l++) {
         const draft_layer *L = &d->layers[l];
         const df_attn_shape sh = attn_shape(c, l);
+        /* the backend's fused ops where the layer is plain (no dynamic convolution): the same bits
+         * as the composition (backend.h), fewer launches */
+        const int fused = K == 0 && op->linears && op->linear_add;
         /* attention (DFlash2: dynamic convolution before and after, kernels from the normed input) */
-        op->rmsnorm(be, s->x, L->in_norm.data, B, H, c->rms_norm_eps, s->h);
-        float *a_in = s->h;
-        if (K > 0) {
-            op->linear(be, &L->attn_kp, s->h, B, s->dyn);
-            op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->attn_base.data, K, c->conv_group_size, B, H, s->ctx);
-            a_in = s->ctx;
+        if (fused) {
+            const df_linear *Wa[3] = {&L->q, &L->k, &L->v};
+            float *ya[3] = {s->t1, s->tk, s->tv};
+            op->linears(be, s->x, L->in_norm.data, c->rms_norm_eps, B, H, 3, Wa, ya, s->h);
+        } else {
+            op->rmsnorm(be, s->x, L->in_norm.data, B, H, c->rms_norm_eps, s->h);
+            float *a_in = s->h;
+            if (K > 0) {
+                op->linear(be, &L->attn_kp, s->h, B, s->dyn);
+                op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->attn_base.data, K, c->conv_group_size, B, H, s->ctx);
+                a_in = s->ctx;
+            }
+            op->linear(be, &L->q, a_in, B, s->t1);
+            op->linear(be, &L->k, a_in, B, s->tk);
+            op->linear(be, &L->v, a_in, B, s->tv);
         }
-        op->linear(be, &L->q, a_in, B, s->t1);
-        op->linear(be, &L->k, a_in, B, s->tk);
-        op->linear(be, &L->v, a_in, B, s->tv);
         /* block K/V go after the context (index s->len..) and are discarded afterwards */
         op->attention(be, &sh, s->t1, s->tk, s->tv, L->q_norm.data, L->k_norm.data, pos, B, s->k_cache[l],
                       s->v_cache[l], s->len, s->t2);
+        if (fused) {
+            op->linear_add(be, &L->o, s->t2, NULL, B, s->x);
+            const df_linear *Wm[2] = {&L->gate, &L->up};
+            float *ym[2] = {s->t1, s->t2};
+            op->linears(be, s->x, L->post_norm.data, c->rms_norm_eps, B, H, 2, Wm, ym, s->h);
+            op->linear_add(be, &L->down, s->t1, s->t2, B, s->x);
+            continue;
+        }
         op->linear(be, &L->o, s->t2, B, s->y);
         if (K > 0) {
             op->dyn_conv(be, s->y, s->dyn + KG, 2 * KG, L->attn_base.data + (size_t)K * H, K, c->conv_group_size, B,
