@@ -67,8 +67,9 @@ int cli_model_dir(const char *given, char *out, size_t cap);
 int cli_demo_model_dir(char *out, size_t cap);
 /* The public name of a model folder: its basename (after resolving "." and links). */
 void cli_model_id(const char *dir, char *out, size_t cap);
-/* Parses "1,2,3" into a malloc'd id array. Returns -1 (message on stderr) if malformed. */
-int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n);
+/* Parses "1,2,3" (option `what` of cmd) into a malloc'd id array. Returns -1 if malformed,
+ * after cmd's usage error on stderr. */
+int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32_t **ids, size_t *n);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

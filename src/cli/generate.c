@@ -150,7 +150,7 @@ int cmd_generate(int argc, char **argv) {
     cli_model_id(dir, id, sizeof id);
     int32_t *ids = NULL;
     size_t n_ids = 0;
-    if (prompt_ids && cli_parse_ids("--prompt-ids", prompt_ids, &ids, &n_ids)) return CLI_EXIT_USAGE;
+    if (prompt_ids && cli_parse_ids(&cmd, "--prompt-ids", prompt_ids, &ids, &n_ids)) return CLI_EXIT_USAGE;
 
     df_error err = {0};
     df_engine *eng = NULL;

@@ -213,7 +213,7 @@ void cli_model_id(const char *dir, char *out, size_t cap) {
     free(real);
 }
 
-int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
+int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32_t **ids, size_t *n) {
     size_t cap = 1;
     for (const char *p = s; *p; p++) cap += *p == ',';
     int32_t *v = malloc(cap * sizeof *v);
@@ -225,21 +225,21 @@ int cli_parse_ids(const char *what, const char *s, int32_t **ids, size_t *n) {
         errno = 0;
         long x = strtol(p, &end, 10);
         if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',')) {
-            fprintf(stderr, "dflash: %s: expected comma-separated token ids (like 1,2,3), got '%s'\n", what, s);
             free(v);
+            cli_usage_error(cmd, "%s: expected comma-separated token ids (like 1,2,3), got '%s'", what, s);
             return -1;
         }
         v[k++] = (int32_t)x;
         p = *end ? end + 1 : end;
         if (*end == ',' && !*p) {
-            fprintf(stderr, "dflash: %s: trailing comma in '%s'\n", what, s);
             free(v);
+            cli_usage_error(cmd, "%s: trailing comma in '%s'", what, s);
             return -1;
         }
     }
     if (k == 0) {
-        fprintf(stderr, "dflash: %s: no token ids given\n", what);
         free(v);
+        cli_usage_error(cmd, "%s: no token ids given", what);
         return -1;
     }
     *ids = v;

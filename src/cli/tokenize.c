@@ -26,7 +26,7 @@ int cmd_tokenize(int argc, char **argv) {
 
     int32_t *ids = NULL;
     size_t n = 0;
-    if (decode && cli_parse_ids("--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
+    if (decode && cli_parse_ids(&cmd, "--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
     char path[4096];
     if (tokenizer) {
         snprintf(path, sizeof path, "%s", tokenizer);

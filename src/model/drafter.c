@@ -108,11 +108,34 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     if (!json_int(root, "num_target_layers", &c->num_target_layers) &&
         !json_int(dc, "num_target_layers", &c->num_target_layers))
         c->num_target_layers = 0;
+    /* optional fields: absent gives the default; present, they must have the right type */
+    const struct {
+        json_t *obj;
+        const char *key;
+        int integer;
+    } typed[] = {{root, "block_size", 1}, {dc, "block_size", 1}, {root, "rms_norm_eps", 0}, {root, "rope_theta", 0},
+                 {root, "head_dim", 1}, {root, "vocab_size", 1}, {root, "num_target_layers", 1},
+                 {dc, "num_target_layers", 1}};
+    for (size_t i = 0; i < sizeof typed / sizeof typed[0]; i++) {
+        json_t *v = typed[i].obj ? json_object_get(typed[i].obj, typed[i].key) : NULL;
+        if (v && !json_is_null(v) && !(typed[i].integer ? json_is_integer(v) : json_is_number(v))) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s%s must be %s",
+                              typed[i].obj == dc ? "dflash_config." : "", typed[i].key,
+                              typed[i].integer ? "an integer" : "a number");
+            goto done;
+        }
+    }
     if (!json_int(root, "block_size", &c->block_size) && !json_int(dc, "block_size", &c->block_size))
         c->block_size = 16;
     if (!json_num(root, "rms_norm_eps", &c->rms_norm_eps)) c->rms_norm_eps = 1e-6f;
     if (!json_num(root, "rope_theta", &c->rope_theta) && !(rp && json_num(rp, "rope_theta", &c->rope_theta)))
         c->rope_theta = 1e6f;
+    if (!(c->rms_norm_eps > 0.0f && c->rms_norm_eps < 1.0f) || !(c->rope_theta > 0.0f) || isinf(c->rope_theta)) {
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: rms_norm_eps must lie in (0, 1) and rope_theta be "
+                                              "a positive number (got %g, %g)", (double)c->rms_norm_eps,
+                          (double)c->rope_theta);
+        goto done;
+    }
     json_t *taps = json_object_get(dc, "target_layer_ids");
     if (!json_is_array(taps) || json_array_size(taps) == 0 || json_array_size(taps) > DF_DRAFT_MAX_TAPS) {
         st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: dflash_config.target_layer_ids must be a list of "
