@@ -1,16 +1,15 @@
 /* bench_cuda_ops: time of single CUDA backend ops at 27B shapes, against the bytes they must
  * move (needs a GPU; prints a message and exits 0 without one).
  *
- *   bench_cuda_ops [--iters N] [--quant-only] [--shape NAME] [--chain]
+ *   bench_cuda_ops [--iters N] [--quant-only] [--shape NAME] [--block]
  *
  * Linear (2-bit, group 128, Hadamard 1024) for the target's shapes at M = 1, 2, 4, 8, 16 rows:
  * microseconds per call and weight bytes / time; dense bf16 (drafter) at M = 8, 16; attention
  * (24/4 heads x 256) at contexts 1024 and 32768 for M = 1 and 16; Gated DeltaNet (48 heads
  * 128 x 128) for M = 1 and 16. --quant-only: the 2-bit linears only;
- * --shape NAME: the linears whose name contains NAME. --chain: one MLP block and the next
+ * --shape NAME: the linears whose name contains NAME. --block: one MLP block and the next
  * layer's input projections as the model runs them (RMSNorm + gate/up, SwiGLU + down + residual,
- * RMSNorm + in_proj_qkv/z) at M = 1, repeated: microseconds per block against its weight bytes,
- * and with DFLASH_CUDA_CHAIN_TRACE=1 the phase times of the last chain kernel. Environment variables of the backend (DFLASH_CUDA_KW,
+ * RMSNorm + in_proj_qkv/z) at M = 1, repeated: microseconds per block against its weight bytes. Environment variables of the backend (DFLASH_CUDA_KW,
  * DFLASH_CUDA_TARGET_CTAS, DFLASH_CUDA_LINEAR) apply, for experiments. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,8 +91,8 @@ static void free_wset(wset *q) {
     free(q->signs);
 }
 
-/* --chain (file comment). */
-static void bench_chain(df_backend *be, int iters, double bw) {
+/* --block (file comment). */
+static void bench_block(df_backend *be, int iters, double bw) {
     const int H = 5120, I = 17408;
     wset gate, up, down, qkv, z;
     make(&gate, I, H, 1);
@@ -124,46 +123,11 @@ static void bench_chain(df_backend *be, int iters, double bw) {
         df_backend_cuda_sync(be);
         const double us = (df_now_ms() - t0) * 1000.0 / it;
         if (rep)
-            printf("chain bench (norm + gate/up, SwiGLU + down + add, norm + qkv/z; M = 1): %.1f us per block, "
+            printf("block bench (norm + gate/up, SwiGLU + down + add, norm + qkv/z; M = 1): %.1f us per block, "
                    "%.1f MB: %.0f GB/s = %.1f%% of %.0f GB/s\n",
                    us, bytes / 1e6, bytes / (us * 1e3), 100.0 * bytes / (us * 1e3) / bw, bw);
     }
     if (be->failed) printf("CUDA backend error: %s\n", df_backend_cuda_last_error(be));
-    int kinds[16], grid = 0;
-    const size_t cap = (size_t)16 * 4096 * 2;
-    unsigned long long *st = malloc(cap * 8);
-    const int nph = df_backend_cuda_chain_trace(be, kinds, &grid, st, cap);
-    if (nph > 0) {
-        unsigned long long t0 = ~0ull;
-        for (int i = 0; i < nph * grid * 2; i++)
-            if (st[i] < t0) t0 = st[i];
-        printf("last chain: %d phases on %d CTAs (us from its first start: start min..max, end min..max; then the "
-               "gap to the next phase's first start)\n", nph, grid);
-        for (int k = 0; k < nph; k++) {
-            double smin = 1e30, smax = 0, emin = 1e30, emax = 0;
-            for (int c = 0; c < grid; c++) {
-                const double a = (double)(st[((size_t)k * grid + c) * 2] - t0) / 1e3;
-                const double b = (double)(st[((size_t)k * grid + c) * 2 + 1] - t0) / 1e3;
-                if (a < smin) smin = a;
-                if (a > smax) smax = a;
-                if (b < emin) emin = b;
-                if (b > emax) emax = b;
-            }
-            double next = -1;
-            if (k + 1 < nph) {
-                next = 1e30;
-                for (int c = 0; c < grid; c++) {
-                    const double a = (double)(st[((size_t)(k + 1) * grid + c) * 2] - t0) / 1e3;
-                    if (a < next) next = a;
-                }
-            }
-            printf("  phase %d %-7s start %7.2f..%7.2f  end %7.2f..%7.2f", k, kinds[k] ? "linear" : "prep", smin, smax,
-                   emin, emax);
-            if (next >= 0) printf("  gap %.2f", next - emax);
-            printf("\n");
-        }
-    }
-    free(st);
     float *bufs[] = {x, g, u, q, zz};
     for (int i = 0; i < 5; i++) be->ops->dealloc(be, bufs[i]);
     wset *ws[] = {&gate, &up, &down, &qkv, &z};
@@ -173,12 +137,12 @@ static void bench_chain(df_backend *be, int iters, double bw) {
 }
 
 int main(int argc, char **argv) {
-    int iters = 50, quant_only = 0, chain = 0;
+    int iters = 50, quant_only = 0, block = 0;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quant-only")) quant_only = 1;
-        else if (!strcmp(argv[i], "--chain")) chain = 1;
+        else if (!strcmp(argv[i], "--block")) block = 1;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
     }
     df_error err = {0};
@@ -190,8 +154,8 @@ int main(int argc, char **argv) {
     double bw = 0;
     df_cuda_copy_bandwidth((size_t)2 << 30, &bw, &err);
     printf("copy bandwidth %.0f GB/s\n", bw);
-    if (chain) {
-        bench_chain(be, iters, bw);
+    if (block) {
+        bench_block(be, iters, bw);
         be->ops->destroy(be);
         return 0;
     }

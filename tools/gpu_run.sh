@@ -99,16 +99,11 @@ for s in $STEPS; do
     [ -n "$CO" ] && "$CO" -sass -fun '_Z8k_lin_qrILi2ELi128ELi1ELi3ELb1ELi0EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_qr.txt" 2>&1
     [ -n "$CO" ] && "$CO" -sass -fun '_Z7k_lin_qILi2ELi128ELi1ELi1ELi2ELb1EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_q.txt" 2>&1
     ls -la "$OUT" ;;
-  chainb)
-    for v in ${CVARIANTS:-DFLASH_CUDA_CHAIN=0 X=1}; do
+  block)
+    for v in ${VARIANTS:-X=1}; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
-      env DFLASH_CUDA_CHAIN_TRACE=1 ${v//,/ } timeout 100 "$BIN/bench_cuda_ops" --chain --iters 40 2>&1 | grep -v "^copy" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 100 "$BIN/bench_cuda_ops" --block --iters 40 2>&1 | grep -v "^copy" | tee -a "$OUT/summary.txt"
     done ;;
-  sassc)
-    CO=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
-    "$CO" -sass -fun '_Z7k_chainILi2ELi128ELi1ELi3ELi0EEv6qchain' "$BIN/bench_cuda_ops" > "$OUT/sass_chain.txt" 2>&1
-    "$CO" -sass -fun '_Z8k_lin_qrILi2ELi128ELi1ELi3ELb1ELi0EEv7qlaunch' "$BIN/bench_cuda_ops" > "$OUT/sass_qr.txt" 2>&1
-    echo "chain: $(grep -c 'LDL\|STL' "$OUT/sass_chain.txt") local accesses, $(wc -l < "$OUT/sass_chain.txt") lines; ring: $(wc -l < "$OUT/sass_qr.txt") lines" | tee -a "$OUT/summary.txt" ;;
   vcurve)
     for v in ${VARIANTS:-X=1}; do
       echo "-- $v" | tee -a "$OUT/summary.txt"

@@ -680,6 +680,22 @@ static df_status select_path(df_draft_state *s, int32_t bonus, int B, const floa
     return DF_OK;
 }
 
+/* The input of a block's first linears: RMSNorm of s->x with norm_w into s->h; for DFlash2
+ * (dynamic convolutions), then the convolution of it with the kernels kp computes from it
+ * (into s->dyn) and the base kernels base, into s->ctx. */
+static const float *block_input(df_draft_state *s, const float *norm_w, const df_linear *kp, const float *base,
+                                int B) {
+    const df_drafter_config *c = &s->d->cfg;
+    df_backend *be = dbe(s->d);
+    const int H = c->hidden_size, K = c->conv_kernel;
+    be->ops->rmsnorm(be, s->x, norm_w, B, H, c->rms_norm_eps, s->h);
+    if (K <= 0) return s->h;
+    const int KG = K * (H / c->conv_group_size);
+    be->ops->linear(be, kp, s->h, B, s->dyn);
+    be->ops->dyn_conv(be, s->h, s->dyn, 2 * KG, base, K, c->conv_group_size, B, H, s->ctx);
+    return s->ctx;
+}
+
 df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
                          float *logits, df_error *err) {
     df_drafter *d = s->d;
@@ -718,13 +734,7 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
             float *ya[3] = {s->t1, s->tk, s->tv};
             op->linears(be, s->x, L->in_norm.data, c->rms_norm_eps, B, H, 3, Wa, ya, s->h);
         } else {
-            op->rmsnorm(be, s->x, L->in_norm.data, B, H, c->rms_norm_eps, s->h);
-            float *a_in = s->h;
-            if (K > 0) {
-                op->linear(be, &L->attn_kp, s->h, B, s->dyn);
-                op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->attn_base.data, K, c->conv_group_size, B, H, s->ctx);
-                a_in = s->ctx;
-            }
+            const float *a_in = block_input(s, L->in_norm.data, &L->attn_kp, L->attn_base.data, B);
             op->linear(be, &L->q, a_in, B, s->t1);
             op->linear(be, &L->k, a_in, B, s->tk);
             op->linear(be, &L->v, a_in, B, s->tv);
@@ -749,13 +759,7 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
             op->add(be, s->x, s->y, BH);
         }
         /* MLP */
-        op->rmsnorm(be, s->x, L->post_norm.data, B, H, c->rms_norm_eps, s->h);
-        float *m_in = s->h;
-        if (K > 0) {
-            op->linear(be, &L->mlp_kp, s->h, B, s->dyn);
-            op->dyn_conv(be, s->h, s->dyn, 2 * KG, L->mlp_base.data, K, c->conv_group_size, B, H, s->ctx);
-            m_in = s->ctx;
-        }
+        const float *m_in = block_input(s, L->post_norm.data, &L->mlp_kp, L->mlp_base.data, B);
         op->linear(be, &L->gate, m_in, B, s->t1);
         op->linear(be, &L->up, m_in, B, s->t2);
         op->swiglu(be, s->t1, s->t2, (size_t)B * (size_t)c->intermediate_size, s->t3);

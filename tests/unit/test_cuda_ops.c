@@ -22,7 +22,7 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 
-static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_chain, *g_cpu;
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_cpu;
 static char g_skip[700];
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
@@ -65,14 +65,9 @@ static int setup(void **state) {
         setenv("DFLASH_CUDA_QRING", "0", 1);
         if (df_backend_cuda_create(&g_gpu_reg, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_QRING");
-        /* runs of preparations and linears as chain kernels: on the default grid, and with the
-         * ring on 7 CTAs */
-        setenv("DFLASH_CUDA_CHAIN", "1", 1);
-        if (df_backend_cuda_create(&g_gpu_chain, 0, &err) != DF_OK) return -1;
         setenv("DFLASH_CUDA_QCTAS", "7", 1);
         if (df_backend_cuda_create(&g_gpu_persist, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_QCTAS");
-        unsetenv("DFLASH_CUDA_CHAIN");
     }
 #else
     snprintf(g_skip, sizeof g_skip, "this build has no CUDA backend");
@@ -85,8 +80,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_chain, g_cpu};
-    for (int i = 0; i < 7; i++)
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_cpu};
+    for (int i = 0; i < 6; i++)
         if (bs[i]) bs[i]->ops->destroy(bs[i]);
     return 0;
 }
@@ -975,117 +970,14 @@ static void test_fused(void **state) {
     (void)state;
     NEED_GPU();
     fused_case(g_gpu, "default kernels");
-    fused_case(g_gpu_persist, "ring kernel on 7 CTAs, chains");
-}
-
-/* ---- chains ------------------------------------------------------------------------------------ */
-
-/* One MLP block and the next block's projections, as the model runs them (one step, no host
- * sync in between, so the backend runs them as one chain: preparation, gate/up, preparation
- * with SwiGLU, down with the residual add, preparation with RMSNorm, two projections):
- * outputs of backend be for M rows into hg, hu, hr, hp, hq (M x rows each). */
-typedef struct chain_ws {
-    qlin gate, up, down, p, q;
-    float *x, *r0, *nw, *nw2;
-} chain_ws;
-
-static void chain_run(df_backend *be, const chain_ws *w, int M, float *hg, float *hu, float *hr, float *hp,
-                      float *hq) {
-    const int H = w->down.L.rows, I = w->gate.L.rows;
-    float *dx = dput(be, w->x, (size_t)M * H * 4), *dr = dput(be, w->r0, (size_t)M * H * 4);
-    float *dg = be->ops->alloc(be, (size_t)M * I * 4), *du = be->ops->alloc(be, (size_t)M * I * 4);
-    float *dp = be->ops->alloc(be, (size_t)M * w->p.L.rows * 4), *dq = be->ops->alloc(be, (size_t)M * w->q.L.rows * 4);
-    const df_linear *W1[2] = {&w->gate.L, &w->up.L}, *W2[2] = {&w->p.L, &w->q.L};
-    float *y1[2] = {dg, du}, *y2[2] = {dp, dq};
-    be->ops->linears(be, dx, w->nw, 1e-6f, M, H, 2, W1, y1, NULL);
-    be->ops->linear_add(be, &w->down.L, dg, du, M, dr);
-    be->ops->linears(be, dr, w->nw2, 1e-6f, M, H, 2, W2, y2, NULL);
-    dget(be, hg, dg, (size_t)M * I * 4);
-    dget(be, hu, du, (size_t)M * I * 4);
-    dget(be, hr, dr, (size_t)M * H * 4);
-    dget(be, hp, dp, (size_t)M * w->p.L.rows * 4);
-    dget(be, hq, dq, (size_t)M * w->q.L.rows * 4);
-    gpu_ok(be, "chain");
-    float *bufs[] = {dx, dr, dg, du, dp, dq};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree_(be, bufs[i]);
-}
-
-/* The chain kernel (DFLASH_CUDA_CHAIN=1; on the default grid and on 7 CTAs: many units per
- * CTA, the rings streaming across phases) == every preparation and linear as its own kernel
- * (the default), bit for bit, M = 1..16; and the rows of M == the single-row results. */
-static void test_chain(void **state) {
-    (void)state;
-    NEED_GPU();
-    const int H = 1024, I = 2048, R = DF_MAX_ROWS;
-    chain_ws w;
-    make_linear(&w.gate, I, H, 2, 128, 1024, 0, 1);
-    make_linear(&w.up, I, H, 2, 128, 1024, 0, 1);
-    make_linear(&w.down, H, I, 2, 128, 1024, 0, 1);
-    make_linear(&w.p, 304, H, 2, 128, 1024, 0, 1);
-    make_linear(&w.q, 72, H, 2, 128, 1024, 0, 1);
-    w.x = malloc((size_t)R * H * 4);
-    w.r0 = malloc((size_t)R * H * 4);
-    w.nw = malloc(H * 4);
-    w.nw2 = malloc(H * 4);
-    for (int i = 0; i < R * H; i++) {
-        w.x[i] = 2.0f * frand();
-        w.r0[i] = frand();
-    }
-    for (int i = 0; i < H; i++) {
-        w.nw[i] = 1.0f + 0.5f * frand();
-        w.nw2[i] = 1.0f + 0.5f * frand();
-    }
-    const size_t per = (size_t)2 * I + (size_t)H + 304 + 72; /* floats of one row's outputs */
-    float *ref = malloc((size_t)R * per * 4), *got = malloc((size_t)R * per * 4);
-    df_backend *bes[2] = {g_gpu_chain, g_gpu_persist};
-    const char *names[2] = {"default grid", "7 CTAs"};
-    for (int M = 1; M <= R; M++) {
-        float *o[5], *g5[5];
-        const size_t rows[5] = {(size_t)I, (size_t)I, (size_t)H, 304, 72};
-        size_t off = 0;
-        for (int k = 0; k < 5; k++) {
-            o[k] = ref + off;
-            g5[k] = got + off;
-            off += (size_t)M * rows[k];
-        }
-        chain_run(g_gpu, &w, M, o[0], o[1], o[2], o[3], o[4]);
-        for (int b = 0; b < 2; b++) {
-            chain_run(bes[b], &w, M, g5[0], g5[1], g5[2], g5[3], g5[4]);
-            for (int k = 0; k < 5; k++)
-                if (memcmp(o[k], g5[k], (size_t)M * rows[k] * 4) != 0)
-                    fail_msg("chain (%s): output %d (M = %d) differs from the kernels one by one", names[b], k, M);
-        }
-        if (M > 1) { /* the last row alone, through the chain */
-            chain_ws w1 = w;
-            w1.x = w.x + (size_t)(M - 1) * H;
-            w1.r0 = w.r0 + (size_t)(M - 1) * H;
-            chain_run(g_gpu_chain, &w1, 1, g5[0], g5[1], g5[2], g5[3], g5[4]);
-            for (int k = 0; k < 5; k++)
-                if (memcmp(o[k] + (size_t)(M - 1) * rows[k], g5[k], rows[k] * 4) != 0)
-                    fail_msg("chain: output %d, row %d of M = %d differs from the single-row result", k, M - 1, M);
-        }
-    }
-    printf("chain (prep, gate/up, prep+SwiGLU, down+add, prep+norm, 2 linears): == kernels one by one, default "
-           "grid and 7 CTAs, M = 1..16; rows == single rows\n");
-    free_linear(&w.gate);
-    free_linear(&w.up);
-    free_linear(&w.down);
-    free_linear(&w.p);
-    free_linear(&w.q);
-    free(w.x);
-    free(w.r0);
-    free(w.nw);
-    free(w.nw2);
-    free(ref);
-    free(got);
+    fused_case(g_gpu_persist, "ring kernel on 7 CTAs");
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
-        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_chain),
-        cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_prep_shared),
+        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_prep_shared),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

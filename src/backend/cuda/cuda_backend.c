@@ -81,10 +81,6 @@ typedef struct cuda_backend {
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
     int q_ring, q_ctas, q_ring_max_m; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS, _QRING_MAXM) */
-    int chain;                        /* 1: runs of preparations and linears as one kernel (DFLASH_CUDA_CHAIN=1) */
-    int chain_max;                    /* phases per chain (DFLASH_CUDA_CHAIN_MAX, 2..DFK_CHAIN_MAX) */
-    unsigned long long *chain_trace;  /* DFLASH_CUDA_CHAIN_TRACE=1: the last chain's phase times */
-    int trace_nph, trace_grid, trace_kinds[DFK_CHAIN_MAX];
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
     struct cmd *cmds;
@@ -546,27 +542,18 @@ static void graph_free(gentry *g) {
     memset(g, 0, sizeof *g);
 }
 
-static size_t run_chain(cuda_backend *cb, size_t i, int *st);
-
 static int run_cmds(cuda_backend *cb) {
     int st = 0;
     dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
     if (cb->n_params)
         st = (int)cudaMemcpyAsync(cb->dparams, cb->hparams, cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
                                   cb->stream);
-    for (size_t i = 0; i < cb->n_cmds && st == 0;) {
-        const char *what = cb->cmds[i].what;
-        size_t used = cb->chain ? run_chain(cb, i, &st) : 0;
-        if (used) what = "linear chain";
-        else {
-            st = cb->cmds[i].fn(cb, cb->cmds[i].args);
-            used = 1;
-        }
+    for (size_t i = 0; i < cb->n_cmds && st == 0; i++) {
+        st = cb->cmds[i].fn(cb, cb->cmds[i].args);
         if (st) {
-            if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", what);
-            else fail(cb, "%s: CUDA error: %s", what, cudaGetErrorString((cudaError_t)st));
+            if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", cb->cmds[i].what);
+            else fail(cb, "%s: CUDA error: %s", cb->cmds[i].what, cudaGetErrorString((cudaError_t)st));
         }
-        i += used;
     }
     return st;
 }
@@ -991,66 +978,6 @@ static int run_dlin(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_dlin *a = args;
     return dfk_linear_dense(a->M, a->n, a->l);
-}
-
-/* Chains: a run of consecutive commands that are input preparations (k_qprep_fast's shapes)
- * and fixed-point linears on the ring schedule, of one format and M, runs as one dfk_chain
- * kernel (the same bits as the commands one by one: cuda_kernels.h). Returns the commands it
- * ran (0: none; the command at i runs alone), *st the launch's status. */
-static size_t run_chain(cuda_backend *cb, size_t i, int *st) {
-    dfk_chain_phase ph[DFK_CHAIN_MAX];
-    int n = 0, nlin = 0, bits = 0, gs = 0, sbf = 0, M = 0, maxc = 0, ctas = 0;
-    size_t j = i;
-    for (; j < cb->n_cmds && n < cb->chain_max; j++) {
-        const cmd *c = &cb->cmds[j];
-        dfk_chain_phase *f = &ph[n];
-        memset(f, 0, sizeof *f);
-        if (c->fn == run_qprep) {
-            const a_qprep *a = (const void *)c->args;
-            if (a->seg > 1024 || a->seg % 4 != 0 || a->cols % 4 != 0 || (M && a->M != M)) break;
-            M = a->M;
-            f->kind = DFK_CHAIN_PREP;
-            f->n = a->n;
-            f->x = a->x;
-            f->up = a->up;
-            f->norm_w = a->norm_w;
-            f->h = a->h;
-            f->eps = a->eps;
-            f->cols = a->cols;
-            f->seg = a->seg;
-            memcpy(f->outs, a->outs, sizeof f->outs);
-        } else if (c->fn == run_qlin) {
-            const a_qlin *a = (const void *)c->args;
-            if (!a->sched.ring || (a->sched.ring_max_m > 0 && a->M > a->sched.ring_max_m) || (M && a->M != M)) break;
-            if (nlin && (a->bits != bits || a->gs != gs || a->sb_bf16 != sbf)) break;
-            int mc = maxc;
-            for (int k = 0; k < a->n; k++)
-                if (a->l[k].cols > mc) mc = a->l[k].cols;
-            if (!dfk_chain_fits(a->bits, a->gs, a->M, mc)) break;
-            maxc = mc;
-            M = a->M;
-            bits = a->bits;
-            gs = a->gs;
-            sbf = a->sb_bf16;
-            ctas = a->sched.ctas;
-            nlin++;
-            f->kind = DFK_CHAIN_LINEAR;
-            f->n = a->n;
-            memcpy(f->lins, a->l, sizeof f->lins);
-        } else {
-            break;
-        }
-        n++;
-    }
-    if (n < 2 || nlin == 0) return 0;
-    int grid = 0;
-    *st = dfk_chain(bits, gs, sbf, M, ctas, n, ph, cb->chain_trace, &grid);
-    if (cb->chain_trace) {
-        cb->trace_nph = n;
-        cb->trace_grid = grid;
-        for (int k = 0; k < n; k++) cb->trace_kinds[k] = ph[k].kind;
-    }
-    return (size_t)n;
 }
 
 static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y);
@@ -1531,7 +1458,6 @@ static void cu_destroy(df_backend *be) {
     free(cb->w);
     void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
-    if (cb->chain_trace) cudaFree(cb->chain_trace);
     for (int i = 0; i < DFK_QMAX; i++) {
         dfree(cb, cb->qx[i]);
         dfree(cb, cb->qe[i]);
@@ -1619,19 +1545,6 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->q_ring_max_m = qrm ? atoi(qrm) : 0;
     const char *qct = getenv("DFLASH_CUDA_QCTAS"); /* persistent grid size (tests: many units per CTA) */
     cb->q_ctas = qct && atoi(qct) > 0 ? atoi(qct) : 0;
-    const char *chn = getenv("DFLASH_CUDA_CHAIN");
-    cb->chain = chn && strcmp(chn, "1") == 0; /* measured slower than the kernels one by one: opt-in */
-    const char *chm = getenv("DFLASH_CUDA_CHAIN_MAX");
-    cb->chain_max = chm && atoi(chm) >= 2 && atoi(chm) <= DFK_CHAIN_MAX ? atoi(chm) : DFK_CHAIN_MAX;
-    const char *cbm = getenv("DFLASH_CUDA_CHAIN_BAR"), *cbs = getenv("DFLASH_CUDA_CHAIN_SLEEP");
-    dfk_set_chain_barrier(cbm ? atoi(cbm) : 3, cbs ? atoi(cbs) : 0);
-    const char *qil = getenv("DFLASH_CUDA_QINTERLEAVE"), *csm = getenv("DFLASH_CUDA_CHAIN_SMEM");
-    dfk_set_q_interleave(qil && strcmp(qil, "1") == 0);
-    dfk_set_chain_smem(csm ? atoi(csm) << 10 : 0);
-    const char *cht = getenv("DFLASH_CUDA_CHAIN_TRACE");
-    if (cht && strcmp(cht, "1") == 0 &&
-        cudaMalloc((void **)&cb->chain_trace, (size_t)DFK_CHAIN_MAX * DFK_CHAIN_TRACE_CTAS * 2 * 8) != cudaSuccess)
-        cb->chain_trace = NULL;
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");
     dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");
@@ -1683,18 +1596,6 @@ void df_backend_cuda_reset_peak(df_backend *be) { cub(be)->peak = cub(be)->cur; 
 void df_backend_cuda_sync(df_backend *be) {
     step_run(cub(be));
     if (cudaDeviceSynchronize() != cudaSuccess) fail(cub(be), "sync: %s", cudaGetErrorString(cudaGetLastError()));
-}
-
-int df_backend_cuda_chain_trace(df_backend *be, int *kinds, int *grid, unsigned long long *stamps, size_t cap) {
-    cuda_backend *cb = cub(be);
-    df_backend_cuda_sync(be);
-    if (!cb->chain_trace || cb->trace_nph == 0) return 0;
-    const size_t n = (size_t)cb->trace_nph * (size_t)cb->trace_grid * 2;
-    if (n > cap || cb->trace_grid > DFK_CHAIN_TRACE_CTAS) return 0;
-    if (cudaMemcpy(stamps, cb->chain_trace, n * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
-    for (int k = 0; k < cb->trace_nph; k++) kinds[k] = cb->trace_kinds[k];
-    *grid = cb->trace_grid;
-    return cb->trace_nph;
 }
 
 df_status df_cuda_copy_bandwidth(size_t bytes, double *gbps, df_error *err) {

@@ -17,12 +17,7 @@
  * DFLASH_CUDA_QSMEM=0 (the fixed-point linear reads its input through L2 instead of shared
  * memory), DFLASH_CUDA_QRING=0 (the fixed-point linear on its register kernel instead of the
  * ring kernel), DFLASH_CUDA_QRING_MAXM=N (the ring kernel only up to N rows), DFLASH_CUDA_QCTAS=N
- * (the ring kernel's grid), DFLASH_CUDA_CHAIN=1 (runs of input preparations and fixed-point
- * linear launches as one chain kernel, cuda_kernels.h dfk_chain, instead of one kernel each;
- * exact, but measured slower on the H200: docs/PERFORMANCE.md), DFLASH_CUDA_CHAIN_MAX=N
- * (at most N phases per chain), DFLASH_CUDA_CHAIN_BAR=1|2 and DFLASH_CUDA_CHAIN_SLEEP=NS (the
- * chains' grid barrier: dfk_set_chain_barrier), DFLASH_CUDA_QINTERLEAVE=1 (the ring kernel's
- * units interleaved over its CTAs), DFLASH_CUDA_CHAIN_SMEM=KB (shared memory cap of a chain's CTA), DFLASH_CUDA_CHAIN_TRACE=1 (df_backend_cuda_chain_trace), DFLASH_CUDA_QPERSIST=1 (the register kernel on a persistent grid),
+ * (the ring kernel's grid), DFLASH_CUDA_QPERSIST=1 (the register kernel on a persistent grid),
  * DFLASH_CUDA_KW / DFLASH_CUDA_TARGET_CTAS (work split), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs).
  *
  * The backend also provides the fused ops of backend.h (`linears`: RMSNorm + several linears
@@ -64,13 +59,6 @@ void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st);
 void df_backend_cuda_reset_peak(df_backend *be);
 /* Runs the recorded ops and waits for all device work (for timing). */
 void df_backend_cuda_sync(df_backend *be);
-
-/* The phase times of the last chain kernel run (backend created with DFLASH_CUDA_CHAIN_TRACE=1;
- * cuda_kernels.h dfk_chain): waits for the device, then writes its phases' kinds (0 input
- * preparation, 1 linears) to kinds[DFK_CHAIN_MAX], its CTA count to *grid and the stamps
- * [phases][grid][start, end] (ns) to stamps (cap entries). Returns the phase count, 0 when there
- * is no trace (not enabled, no chain run yet, or cap too small). */
-int df_backend_cuda_chain_trace(df_backend *be, int *kinds, int *grid, unsigned long long *stamps, size_t cap);
 
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per
  * second, GB/s). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */

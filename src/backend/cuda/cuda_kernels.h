@@ -149,44 +149,6 @@ typedef struct dfk_qsched {
 int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins);
 int dfk_linear_q_max_tr(int M);
 
-/* A chain: a sequence of input preparations (dfk_qprep) and fixed-point linear launches
- * (dfk_linear_q with the ring schedule) run as one persistent kernel, a grid barrier between
- * consecutive phases, each phase with exactly the arithmetic of its separate kernel (the same
- * bits). Every linear of a chain has `bits`-bit codes in groups of gs with the scale dtype
- * sb_bf16, and all phases have the same M rows. Preparation phases: x, up, norm_w, eps, cols,
- * seg, h, n, outs as dfk_qprep (seg <= 1024, a multiple of 4). Linear phases: n, lins as
- * dfk_linear_q. ctas: the grid (0: as many CTAs as fit at once; never more); *grid (when not
- * NULL) receives it. trace: NULL, or device [nph][grid][2] that receives each CTA's start and
- * end time of each phase (%globaltimer, ns; grid <= DFK_CHAIN_TRACE_CTAS). Errors: a CUDA error
- * code; cudaErrorInvalidValue when a phase is malformed or the chain does not fit
- * (dfk_chain_fits). */
-#define DFK_CHAIN_MAX 10          /* phases per chain */
-#define DFK_CHAIN_TRACE_CTAS 4096 /* CTAs a chain trace has room for */
-enum { DFK_CHAIN_PREP = 0, DFK_CHAIN_LINEAR = 1 };
-typedef struct dfk_chain_phase {
-    int kind, n;
-    const float *x, *up, *norm_w;
-    float *h;
-    float eps;
-    int cols, seg;
-    dfk_qout outs[DFK_QMAX];
-    dfk_qlin lins[DFK_QMAX];
-} dfk_chain_phase;
-int dfk_chain(int bits, int gs, int sb_bf16, int M, int ctas, int nph, const dfk_chain_phase *phases,
-              unsigned long long *trace, int *grid);
-/* The chains' grid barrier (experiments): mode 1 = every CTA at one counter, 2 = in groups of 8
- * CTAs first, 3 = one monotonic counter per grid size (default); sleep_ns > 0: the waiting thread sleeps between polls (default 0). */
-void dfk_set_chain_barrier(int mode, int sleep_ns);
-/* 1: each CTA of the ring kernel (and of a chain's linear phases) takes the units c, c + G,
- * c + 2G, ... instead of a contiguous range (an experiment; default 0). */
-void dfk_set_q_interleave(int on);
-/* Most dynamic shared memory per CTA a chain may take (0: default, 200 KB); a linear phase
- * whose input copy would need more ends the chain (dfk_chain_fits). */
-void dfk_set_chain_smem(int bytes);
-/* 1 when dfk_chain runs this format and M with linears of at most max_cols columns (2-bit
- * codes, gs 64 or 128; the input copy and the rings fit in shared memory). */
-int dfk_chain_fits(int bits, int gs, int M, int max_cols);
-
 /* Dense 16-bit linears on CUDA cores: y[M, rows] (+)= W x for W f16 (wdtype 0) or bf16 (1)
  * [rows, cols], cols % 8 == 0, x float32 [M, cols]; one block per output row, fixed order. */
 typedef struct dfk_dlin {

@@ -432,7 +432,6 @@ struct qlaunch {
     int ctas;     /* k_lin_qr: CTAs (0: as many as fit) */
     int kwl[DFK_QMAX]; /* log2 of each linear's KW */
     int ring_off; /* k_lin_qr: byte offset of the rings in dynamic shared memory */
-    int ustride;  /* k_lin_qr: 1 = CTA c runs the units [c·U/G, (c+1)·U/G); G = the units c, c + G, ... */
 };
 
 template <int VEC>
@@ -782,9 +781,9 @@ static __device__ __forceinline__ void cp_async_wait(void) {
 }
 
 /* Ring slots per warp and bytes per slot (the lane's code words, then its scale/bias pair). */
-template <int WPL, int QSX = 0>
+template <int WPL>
 struct qring {
-    static constexpr int QS = QSX ? QSX : (WPL <= 4 ? 8 : (WPL <= 8 ? 4 : 2));
+    static constexpr int QS = WPL <= 4 ? 8 : (WPL <= 8 ? 4 : 2);
     static constexpr int SLOT = (WPL + 2) * 32 * 4;
     static constexpr int BYTES = 8 * QS * SLOT; /* 8 warps */
 };
@@ -797,13 +796,13 @@ struct q_icur {
     unsigned step_c, step_s;
 };
 
-/* Points the cursor at the first step of unit u (or of the first later unit of the CTA, every
- * P.ustride-th, with steps for this warp; c.u >= u_end: none left). di: the linear of unit u (units only move forward). */
+/* Points the cursor at the first step of unit u (or of the first later unit with steps for
+ * this warp; c.u == u_end: none left). di: the linear of unit u (units only move forward). */
 template <int BITS, int GS>
 static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int u_end, int di, int warp, int lane,
                                                    int g, q_icur &c) {
     typedef qcfg<BITS, GS, 1, 1> C;
-    for (; u < u_end; u += P.ustride) {
+    for (; u < u_end; u++) {
         while (di + 1 < P.n && u >= P.start[di + 1]) di++;
         const dfk_qlin &L = P.d[di];
         const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
@@ -836,7 +835,7 @@ static __device__ __forceinline__ void q_icur_issue(const qlaunch &P, int u_end,
     cp_async<8>(saddr + (uint32_t)(WPL * 128 + lane * 8), c.sb);
     c.codes += c.step_c;
     c.sb += c.step_s;
-    if (--c.left == 0) q_icur_unit<BITS, GS>(P, c.u + P.ustride, u_end, c.di, warp, lane, g, c);
+    if (--c.left == 0) q_icur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, lane, g, c);
 }
 
 /* One step's B fragments and 2^E, S·2^E through the step pointers (zeros for rows >= M). */
@@ -940,13 +939,13 @@ static __device__ __forceinline__ void q_ring_step(uint32_t caddr, int lane, boo
  * ring (caddr: the warp's current slot, advanced; iss.issue(saddr) copies the warp's next step
  * into the slot just read), then the K-slice sum and the store. key: the staged-input key of
  * q_stage_input. Every thread of the CTA calls it. */
-template <int BITS, int GS, int NT, bool SMB, int SBF, int QSX = 0, class Iss>
+template <int BITS, int GS, int NT, bool SMB, int SBF, class Iss>
 static __device__ __forceinline__ void q_unit_ring(const qlaunch &P, int di, int u, int key, int &staged,
                                                    unsigned char *qsm, float (*red)[NT * 2][32], uint32_t &caddr,
                                                    uint32_t ring0, uint32_t ring_end, Iss &iss, int warp, int lane,
                                                    int g, int t) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qring<C::WPL, QSX> R;
+    typedef qring<C::WPL> R;
     constexpr int KBG = C::KBG, QS = R::QS, SLOT = R::SLOT;
     const int M = P.M;
     const dfk_qlin &L = P.d[di];
@@ -1073,8 +1072,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     extern __shared__ __align__(16) unsigned char qsm[];
     pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
-    const int u_begin = P.ustride > 1 ? c : (int)(((long long)c * U) / G);
-    const int u_end = P.ustride > 1 ? U : (int)(((long long)(c + 1) * U) / G);
+    const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     /* this warp's ring of QS slots */
     const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(qsm + P.ring_off) + (uint32_t)(warp * QS * SLOT);
@@ -1092,7 +1090,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     int staged = -1, di = 0;
     uint32_t caddr = ring0;
     q_issue_launch<BITS, GS> iss{P, ic, u_end, warp, lane, g};
-    for (int u = u_begin; u < u_end; u += P.ustride) {
+    for (int u = u_begin; u < u_end; u++) {
         while (di + 1 < P.n && u >= P.start[di + 1]) di++;
         q_unit_ring<BITS, GS, NT, SMB, SBF>(P, di, u, di, staged, qsm, red, caddr, ring0, ring_end, iss, warp, lane, g,
                                             t);
@@ -1109,8 +1107,7 @@ extern "C" void dfk_set_qsmem(int on) { g_qsmem = on ? 1 : 0; }
 /* Shared copies of the prepared input up to this size (two CTAs per SM still fit). */
 #define Q_SMEM_MAX (100 * 1024)
 
-static int g_q_sms = 132, g_q_persist = 0, g_q_prefetch = 1, g_q_interleave = 0;
-extern "C" void dfk_set_q_interleave(int on) { g_q_interleave = on ? 1 : 0; }
+static int g_q_sms = 132, g_q_persist = 0, g_q_prefetch = 1;
 extern "C" void dfk_set_q_prefetch(int on) { g_q_prefetch = on ? 1 : 0; }
 extern "C" void dfk_set_q_sm_count(int n) { g_q_sms = n > 0 ? n : 132; }
 extern "C" void dfk_set_q_persistent(int on) { g_q_persist = on ? 1 : 0; }
@@ -1190,7 +1187,6 @@ static int launch_qr(qlaunch P, unsigned units) {
     if (blocks > units) blocks = units;
     const unsigned per = (units + blocks - 1) / blocks;
     blocks = (units + per - 1) / per;
-    P.ustride = g_q_interleave ? (int)blocks : 1;
     return launch_pdl(kern, dim3(blocks), dim3(256), smem, P);
 }
 
@@ -1214,330 +1210,6 @@ static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
     case 3: return launch_q_tr<BITS, GS, 3>(P, blocks, TR);
     default: return launch_q_tr<BITS, GS, 4>(P, blocks, TR);
     }
-}
-
-/* ---- chains: input preparations and linears in one persistent kernel -------------------------
- *
- * A chain runs a sequence of phases, each an input preparation (the blocks of k_qprep_fast) or
- * a fixed-point linear launch (the units of k_lin_qr), in one kernel on a persistent grid, with
- * a grid barrier between consecutive phases. Each phase does exactly the work, in exactly the
- * arithmetic, of its separate kernel (q_prep_block, q_unit_ring), so the bits are the same.
- * What it saves: the kernel boundaries, and the ramp of each linear: every warp's ring copies
- * its next steps across phase ends (weights never depend on an earlier phase), so the rings of
- * the next linear fill while the barrier and the preparation run. */
-
-enum { Q_PREP = 0, Q_LIN = 1 };
-
-/* Ring slots per warp in a chain: 6, so that at M <= 4 three CTAs fit on an SM even with the
- * input copy of a 17408-column linear (down_proj): more CTAs, and units spread evenly. */
-#define Q_CHAIN_QS 6
-
-struct qchain_prep {
-    const float *x, *up, *norm_w;
-    float *h;
-    float eps;
-    int cols, seg, n;
-    dfk_qout o[DFK_QMAX];
-};
-
-struct qchain_phase {
-    int kind;
-    union {
-        qchain_prep p;
-        qlaunch l;
-    };
-};
-
-struct qchain {
-    qchain_phase ph[DFK_CHAIN_MAX];
-    unsigned long long *trace; /* NULL, or [nph][G][2] %globaltimer stamps: each phase's start and end per CTA */
-    int nph, M, ring_off, bar_mode, bar_sleep;
-};
-static_assert(sizeof(qchain) <= 4096, "a chain's parameters must fit in 4 KB");
-
-/* The grid barrier's arrival count and generation, and the arrival counts of groups of
- * QB_GROUP CTAs (128 bytes apart). One chain runs at a time: a chain lets the next kernel launch
- * only in its last phase, after its last barrier. */
-#define QB_GROUP 8
-#define QB_GROUPS (DFK_CHAIN_TRACE_CTAS / QB_GROUP)
-__device__ unsigned int g_qbar[2];
-__device__ unsigned int g_qbar_grp[QB_GROUPS * 32];
-__device__ unsigned long long g_qbar64[DFK_CHAIN_TRACE_CTAS];
-
-static int g_bar_mode = 3, g_bar_sleep = 0, g_chain_smem = 0;
-extern "C" void dfk_set_chain_barrier(int mode, int sleep_ns) {
-    g_bar_mode = mode == 1 || mode == 2 ? mode : 3;
-    g_bar_sleep = sleep_ns > 0 && sleep_ns < 100000 ? sleep_ns : 0;
-}
-extern "C" void dfk_set_chain_smem(int bytes) { g_chain_smem = bytes > 0 ? bytes : 0; }
-
-static __device__ __forceinline__ unsigned q_ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-/* All G CTAs of the grid (all resident: the launcher never starts more than fit) wait here
- * until every one has arrived; their earlier global writes are then visible to all (fences
- * before each arrival, acquire after). mode 1: every CTA arrives at one counter; mode 2: at
- * its group's counter, and the last of each group at the global one (fewer atomics on one
- * address); mode 3: one acquire-release atomic per CTA on a monotonic counter, polled until it
- * reaches the next multiple of G (no generation word, no resets: fewer round trips). sleep_ns > 0: the waiting thread sleeps between polls. A CTA that waits for more
- * than 10 s traps (an error, not a hang). Every thread of the CTA calls it. */
-static __device__ __forceinline__ void q_grid_barrier(unsigned G, int mode, int sleep_ns) {
-    __syncthreads();
-    if (mode == 3 && threadIdx.x == 0) {
-        /* one 64-bit arrival counter per grid size, never reset: every barrier of a grid of
-         * G CTAs adds exactly G, so it is a multiple of G when a barrier begins */
-        unsigned long long *ctr = &g_qbar64[G < DFK_CHAIN_TRACE_CTAS ? G : 0];
-        unsigned long long ticket, cur;
-        asm volatile("atom.add.acq_rel.gpu.global.u64 %0, [%1], 1;\n" : "=l"(ticket) : "l"(ctr) : "memory");
-        const unsigned long long target = (ticket / G + 1) * G;
-        unsigned long long t0 = 0;
-        for (unsigned spins = 1; ticket + 1 != target; spins++) {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(cur) : "l"(ctr) : "memory");
-            if (cur >= target) break;
-            if ((spins & 1023u) == 0) {
-                unsigned long long now;
-                asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
-                if (t0 == 0) t0 = now;
-                else if (now - t0 > 10000000000ull) __trap();
-            }
-        }
-    } else if (threadIdx.x == 0) {
-        const unsigned gen = q_ld_acquire(&g_qbar[1]);
-        __threadfence();
-        bool last;
-        if (mode == 2) {
-            const unsigned grp = blockIdx.x / QB_GROUP, first = grp * QB_GROUP;
-            const unsigned gsz = G - first < QB_GROUP ? G - first : QB_GROUP, ngr = (G + QB_GROUP - 1) / QB_GROUP;
-            last = false;
-            if (atomicAdd(&g_qbar_grp[grp * 32], 1u) == gsz - 1) {
-                atomicExch(&g_qbar_grp[grp * 32], 0u);
-                __threadfence();
-                last = atomicAdd(&g_qbar[0], 1u) == ngr - 1;
-            }
-        } else {
-            last = atomicAdd(&g_qbar[0], 1u) == G - 1;
-        }
-        if (last) {
-            atomicExch(&g_qbar[0], 0u);
-            __threadfence();
-            asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(&g_qbar[1]), "r"(gen + 1u) : "memory");
-        } else {
-            unsigned long long t0 = 0;
-            for (unsigned spins = 1; q_ld_acquire(&g_qbar[1]) == gen; spins++) {
-                if (sleep_ns) __nanosleep((unsigned)sleep_ns);
-                if ((spins & 1023u) == 0) {
-                    unsigned long long now;
-                    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
-                    if (t0 == 0) t0 = now;
-                    else if (now - t0 > 10000000000ull) __trap();
-                }
-            }
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-/* Thread 0 of the CTA writes the time (ns) to trace[i] when tracing. */
-static __device__ __forceinline__ void q_stamp(unsigned long long *trace, size_t i) {
-    if (trace && threadIdx.x == 0) {
-        unsigned long long now;
-        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
-        trace[i] = now;
-    }
-}
-
-/* The issuer of k_chain: the cursor over the CTA's units of each linear phase in turn (phase
- * ph: units [cta·U/G, (cta+1)·U/G)); ph == nph: nothing left. */
-template <int BITS, int GS>
-struct q_issue_chain {
-    const qchain &P;
-    q_icur &c;
-    int ph, u_end;
-    /* moves to the next linear phase with steps for this warp (the thread's indices are read
-     * again here rather than held: registers are the limit of the ring kernels) */
-    __device__ __forceinline__ void next_phase() {
-        const int cta = (int)blockIdx.x, G = (int)gridDim.x, lane = threadIdx.x & 31;
-        for (ph++; ph < P.nph; ph++) {
-            if (P.ph[ph].kind != Q_LIN) continue;
-            const qlaunch &L = P.ph[ph].l;
-            const int U = L.start[L.n];
-            const int ub = L.ustride > 1 ? cta : (int)(((long long)cta * U) / G);
-            u_end = L.ustride > 1 ? U : (int)(((long long)(cta + 1) * U) / G);
-            q_icur_unit<BITS, GS>(L, ub, u_end, 0, (int)(threadIdx.x >> 5), lane, lane >> 2, c);
-            if (c.u < u_end) return;
-        }
-    }
-    __device__ __forceinline__ void issue(uint32_t saddr) {
-        if (ph >= P.nph) return;
-        const int lane = threadIdx.x & 31;
-        q_icur_issue<BITS, GS>(P.ph[ph].l, u_end, (int)(threadIdx.x >> 5), lane, lane >> 2, saddr, c);
-        if (c.u >= u_end) next_phase();
-    }
-};
-
-template <int BITS, int GS, int NT, int MINB, int SBF>
-__global__ void __launch_bounds__(256, MINB) k_chain(const __grid_constant__ qchain P) {
-    typedef qring<qcfg<BITS, GS, NT, 1>::WPL, Q_CHAIN_QS> R;
-    constexpr int QS = R::QS, SLOT = R::SLOT;
-    __shared__ float red[8][NT * 2][32];
-    __shared__ float pred[8];
-    extern __shared__ __align__(16) unsigned char qsm[];
-    const int G = (int)gridDim.x, c = (int)blockIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(qsm + P.ring_off) + (uint32_t)(warp * QS * SLOT);
-    const uint32_t ring_end = ring0 + (uint32_t)(QS * SLOT);
-    q_icur ic;
-    q_issue_chain<BITS, GS> iss{P, ic, -1, 0};
-    iss.next_phase();
-#pragma unroll 1
-    for (int k = 0; k < QS; k++) {
-        iss.issue(ring0 + (uint32_t)(k * SLOT));
-        cp_async_commit();
-    }
-    pdl_wait();
-    int staged = -1;
-    uint32_t caddr = ring0;
-    for (int ph = 0; ph < P.nph; ph++) {
-        if (ph > 0) {
-            q_stamp(P.trace, ((size_t)(ph - 1) * (size_t)G + (size_t)c) * 2 + 1);
-            q_grid_barrier((unsigned)G, P.bar_mode, P.bar_sleep);
-        }
-        q_stamp(P.trace, ((size_t)ph * (size_t)G + (size_t)c) * 2);
-        if (ph == P.nph - 1) pdl_trigger();
-        const qchain_phase &F = P.ph[ph];
-        if (F.kind == Q_PREP) {
-            const qchain_prep &Q = F.p;
-            const int nseg = Q.cols / Q.seg, nvb = P.M * nseg * Q.n;
-            /* the preparation's shared floats alias the input copy (restaged after it) */
-            for (int vb = c; vb < nvb; vb += G) {
-                const int oi = vb % Q.n, r = vb / Q.n, m = r / nseg, s0 = (r % nseg) * Q.seg;
-                q_prep_block(Q.x, Q.up, Q.norm_w, Q.eps, Q.cols, Q.seg, Q.h, Q.o[oi], m, s0, oi, pred,
-                             reinterpret_cast<float *>(qsm));
-            }
-            staged = -1;
-        } else {
-            const qlaunch &L = F.l;
-            const int U = L.start[L.n];
-            const int ub = L.ustride > 1 ? c : (int)(((long long)c * U) / G);
-            const int ue = L.ustride > 1 ? U : (int)(((long long)(c + 1) * U) / G);
-            int di = 0;
-            for (int u = ub; u < ue; u += L.ustride) {
-                while (di + 1 < L.n && u >= L.start[di + 1]) di++;
-                q_unit_ring<BITS, GS, NT, true, SBF, Q_CHAIN_QS>(L, di, u, ph * DFK_QMAX + di, staged, qsm, red,
-                                                                 caddr, ring0, ring_end, iss, warp, lane, g, t);
-            }
-        }
-    }
-    q_stamp(P.trace, ((size_t)(P.nph - 1) * (size_t)G + (size_t)c) * 2 + 1);
-    cp_async_wait<0>();
-}
-
-/* Bytes of dynamic shared memory of a chain: the input copy (at least the preparation's 1024
- * floats), then the rings. */
-template <int BITS, int GS, int NT>
-static size_t chain_smem(int M, int max_cols, int *ring_off) {
-    typedef qring<qcfg<BITS, GS, NT, 1>::WPL, Q_CHAIN_QS> R;
-    size_t in = q_smem_bytes(M, max_cols, GS);
-    if (in < 4096) in = 4096;
-    in = (in + 15) & ~(size_t)15;
-    if (ring_off) *ring_off = (int)in;
-    return in + R::BYTES;
-}
-
-template <int BITS, int GS, int NT>
-static int launch_chain(qchain &P, int sb_bf16, int ctas, int max_cols, int *grid) {
-    constexpr int MINB = NT == 1 ? 3 : (NT == 2 ? 2 : 1);
-    const size_t smem = chain_smem<BITS, GS, NT>(P.M, max_cols, &P.ring_off);
-    if (smem > QR_SMEM_MAX) return (int)cudaErrorInvalidValue;
-    void (*kern)(qchain) = sb_bf16 ? k_chain<BITS, GS, NT, MINB, 1> : k_chain<BITS, GS, NT, MINB, 0>;
-    static q_occ occ[2];
-    /* never more CTAs than fit at once: the grid barrier needs them all resident */
-    const int fit = g_q_sms * q_occupancy(kern, smem, occ[sb_bf16 ? 1 : 0]);
-    const int G = ctas > 0 && ctas < fit ? ctas : fit;
-    if (grid) *grid = G;
-    for (int i = 0; i < P.nph; i++)
-        if (P.ph[i].kind == Q_LIN) P.ph[i].l.ustride = g_q_interleave ? G : 1;
-    return launch_pdl(kern, dim3((unsigned)G), dim3(256), smem, P);
-}
-
-template <int BITS, int GS>
-static int launch_chain_nt(qchain &P, int sb_bf16, int ctas, int max_cols, int *grid) {
-    switch ((P.M + 3) / 4) {
-    case 1: return launch_chain<BITS, GS, 1>(P, sb_bf16, ctas, max_cols, grid);
-    case 2: return launch_chain<BITS, GS, 2>(P, sb_bf16, ctas, max_cols, grid);
-    case 3: return launch_chain<BITS, GS, 3>(P, sb_bf16, ctas, max_cols, grid);
-    default: return launch_chain<BITS, GS, 4>(P, sb_bf16, ctas, max_cols, grid);
-    }
-}
-
-extern "C" int dfk_chain_fits(int bits, int gs, int M, int max_cols) {
-    if (bits != 2 || (gs != 64 && gs != 128) || M < 1 || M > DFK_MAX_ROWS || max_cols < 1) return 0;
-    size_t smem;
-    switch ((M + 3) / 4) {
-    case 1: smem = gs == 128 ? chain_smem<2, 128, 1>(M, max_cols, NULL) : chain_smem<2, 64, 1>(M, max_cols, NULL); break;
-    case 2: smem = gs == 128 ? chain_smem<2, 128, 2>(M, max_cols, NULL) : chain_smem<2, 64, 2>(M, max_cols, NULL); break;
-    case 3: smem = gs == 128 ? chain_smem<2, 128, 3>(M, max_cols, NULL) : chain_smem<2, 64, 3>(M, max_cols, NULL); break;
-    default: smem = gs == 128 ? chain_smem<2, 128, 4>(M, max_cols, NULL) : chain_smem<2, 64, 4>(M, max_cols, NULL);
-    }
-    return smem <= (g_chain_smem ? (size_t)g_chain_smem : (size_t)QR_SMEM_MAX);
-}
-
-extern "C" int dfk_chain(int bits, int gs, int sb_bf16, int M, int ctas, int nph, const dfk_chain_phase *phases,
-                         unsigned long long *trace, int *grid) {
-    if (M < 1 || M > DFK_MAX_ROWS || nph < 2 || nph > DFK_CHAIN_MAX || ctas < 0) return (int)cudaErrorInvalidValue;
-    static qchain P; /* large: not on the stack */
-    memset(&P, 0, sizeof P);
-    P.nph = nph;
-    P.M = M;
-    P.trace = trace;
-    P.bar_mode = g_bar_mode;
-    P.bar_sleep = g_bar_sleep;
-    int max_cols = 1;
-    for (int i = 0; i < nph; i++) {
-        const dfk_chain_phase &F = phases[i];
-        qchain_phase &Q = P.ph[i];
-        if (F.n < 1 || F.n > DFK_QMAX) return (int)cudaErrorInvalidValue;
-        if (F.kind == DFK_CHAIN_PREP) {
-            if (F.seg <= 0 || F.seg > 1024 || F.seg % 4 != 0 || F.cols % F.seg != 0) return (int)cudaErrorInvalidValue;
-            Q.kind = Q_PREP;
-            Q.p.x = F.x;
-            Q.p.up = F.up;
-            Q.p.norm_w = F.norm_w;
-            Q.p.h = F.h;
-            Q.p.eps = F.eps;
-            Q.p.cols = F.cols;
-            Q.p.seg = F.seg;
-            Q.p.n = F.n;
-            for (int k = 0; k < F.n; k++) Q.p.o[k] = F.outs[k];
-        } else if (F.kind == DFK_CHAIN_LINEAR) {
-            Q.kind = Q_LIN;
-            qlaunch &L = Q.l;
-            L.n = F.n;
-            L.M = M;
-            L.sb_bf16 = sb_bf16;
-            L.ring = 1;
-            int units = 0;
-            for (int k = 0; k < F.n; k++) {
-                const int KW = F.lins[k].KW;
-                if (KW != 1 && KW != 2 && KW != 4 && KW != 8) return (int)cudaErrorInvalidValue;
-                L.d[k] = F.lins[k];
-                L.kwl[k] = KW == 8 ? 3 : (KW == 4 ? 2 : (KW == 2 ? 1 : 0));
-                L.start[k] = units;
-                units += ((F.lins[k].rows + 15) / 16 + 8 / KW - 1) / (8 / KW);
-                if (F.lins[k].cols > max_cols) max_cols = F.lins[k].cols;
-            }
-            L.start[F.n] = units;
-        } else {
-            return (int)cudaErrorInvalidValue;
-        }
-    }
-    if (!dfk_chain_fits(bits, gs, M, max_cols)) return (int)cudaErrorInvalidValue;
-    if (gs == 128) return launch_chain_nt<2, 128>(P, sb_bf16, ctas, max_cols, grid);
-    return launch_chain_nt<2, 64>(P, sb_bf16, ctas, max_cols, grid);
 }
 
 extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
