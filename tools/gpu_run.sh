@@ -107,7 +107,7 @@ for s in $STEPS; do
   vcurve)
     for v in ${VARIANTS:-X=1}; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
-      env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 96 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic|per round" | tee -a "$OUT/summary.txt"
     done ;;
   tune)
     for v in DFLASH_CUDA_TARGET_CTAS=264 DFLASH_CUDA_TARGET_CTAS=528 DFLASH_CUDA_OCC=3; do

@@ -144,6 +144,10 @@ typedef struct df_gen_result {
     int draft_rounds;     /* verify passes */
     int draft_n;          /* drafted tokens proposed */
     int draft_n_accepted; /* drafted tokens accepted (bonus tokens excluded) */
+    /* wall time of the rounds' phases, ms: drafter pass, verify pass, GDN state settling,
+     * drafter context update (with df_spec_params.phase_sync off, work still queued on the
+     * device at a phase's end is counted in the next phase) */
+    double draft_ms, verify_ms, settle_ms, context_ms;
     df_token_info *token_info; /* [n_ids] when params->logprobs, else NULL */
 } df_gen_result;
 

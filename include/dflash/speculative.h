@@ -32,6 +32,8 @@ typedef struct df_spec_params {
     int block_min, block_max;
     df_propose_override_fn override;
     void *override_user;
+    int phase_sync;     /* 1: wait for the device at each phase's end, so that the result's phase
+                         * times (draft_ms ...) are each phase's own (benchmarks; slightly slower) */
 } df_spec_params;
 
 /* Defaults: block 0 (= df_spec_default_block), fixed, range 2..16 when adaptive. */

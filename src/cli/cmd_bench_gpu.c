@@ -554,6 +554,15 @@ int df_cmd_bench(int argc, char **argv) {
                        step_ms / spec_ms, same ? "yes" : "NO");
                 df_gen_result_free(&res);
                 if (!same) goto out;
+                /* the same run again, the device awaited at each phase's end: where a round's time goes */
+                sa.rng = 12345;
+                sp.phase_sync = 1;
+                if (df_generate_speculative(s, ds, prompt, o.ctx, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) goto out;
+                const double nr = res.draft_rounds ? (double)res.draft_rounds : 1.0;
+                printf("  per round (phases awaited): drafter pass %.3f ms, verify pass %.3f ms, GDN settle %.3f ms, "
+                       "drafter context %.3f ms\n",
+                       res.draft_ms / nr, res.verify_ms / nr, res.settle_ms / nr, res.context_ms / nr);
+                df_gen_result_free(&res);
             }
         }
         /* peak device memory of speculative decoding (drafter weights now on the device) */

@@ -144,6 +144,18 @@ static void settle_gdn(spec_ctx *c, int rows, int Bv) {
     }
 }
 
+/* Adds the wall time since *tp to phase k of ph and restarts the clock; with sp->phase_sync,
+ * first waits for the device (a 4-byte read back). */
+static void phase_end(spec_ctx *c, const df_spec_params *sp, double *ph, int k, double *tp) {
+    if (sp->phase_sync) {
+        float v;
+        c->s->be->ops->to_host(c->s->be, &v, c->dtaps, sizeof v);
+    }
+    const double t = df_now_ms();
+    ph[k] += t - *tp;
+    *tp = t;
+}
+
 df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32_t *prompt, int n_prompt,
                                   const df_gen_params *params, const df_spec_params *sp_in, df_gen_callback cb,
                                   void *user, df_gen_result *res, df_error *err) {
@@ -213,8 +225,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
     }
     int B = sp.block;
+    double ph_ms[4] = {0, 0, 0, 0}; /* draft, verify, settle, context */
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
         const int p0 = s->pos; /* position of the bonus token */
+        double tp = df_now_ms();
         int Bv = B;
         if (Bv > max_tokens - out.n_ids) Bv = max_tokens - out.n_ids; /* a round commits at most Bv tokens */
         if (Bv > s->max_ctx - p0) Bv = s->max_ctx - p0;
@@ -227,6 +241,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         } else {
             Bv = 1; /* one token left: a plain decode step */
         }
+        phase_end(&c, &sp, ph_ms, 0, &tp);
         /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
         s->gdn_redirect = Bv >= 2 ? &c.redirect : NULL;
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
@@ -234,11 +249,13 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         s->gdn_redirect = NULL;
         if (st != DF_OK) break;
         fetch_taps(&c);
+        phase_end(&c, &sp, ph_ms, 1, &tp);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
         /* keep the accepted rows 0..a: positions, and the GDN states */
         s->pos = p0 + a + 1;
         if (Bv >= 2) settle_gdn(&c, a + 1, Bv);
+        phase_end(&c, &sp, ph_ms, 2, &tp);
         if (Bv >= 2) {
             res->draft_rounds++;
             res->draft_n += Bv - 1;
@@ -252,6 +269,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         }
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
         st = df_draft_add_context(ds, c.feats, a + 1, p0, err);
+        phase_end(&c, &sp, ph_ms, 3, &tp);
         bonus = t[a];
         if (sp.adaptive && Bv >= 2) {
             if (a == Bv - 1) B = B + 2 <= sp.block_max ? B + 2 : sp.block_max;
@@ -266,6 +284,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     res->draft_rounds = rounds;
     res->draft_n = dn;
     res->draft_n_accepted = da;
+    res->draft_ms = ph_ms[0];
+    res->verify_ms = ph_ms[1];
+    res->settle_ms = ph_ms[2];
+    res->context_ms = ph_ms[3];
     free(logits);
     ctx_free(&c);
     return st;
