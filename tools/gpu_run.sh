@@ -119,6 +119,12 @@ for s in $STEPS; do
     timeout 200 "$NCU" --clock-control none --launch-skip 3000 --launch-count 500 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
       --print-summary per-kernel "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 16 --gen 4 --no-verify-curve > "$OUT/ncu.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncu.log" | head -120 | tee -a "$OUT/summary.txt" ;;
+  ncud)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 300 "$NCU" --clock-control none --kernel-name regex:"${NCU_KERNELS:-k_lin_mma}" --launch-skip ${NCU_SKIP:-0} --launch-count ${NCU_COUNT:-80} \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --print-summary per-kernel \
+      "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 64 --gen 8 --no-verify-curve --repeats 1 > "$OUT/ncud.log" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncud.log" | head -80 | tee -a "$OUT/summary.txt" ;;
   ncudeep)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 240 "$NCU" --clock-control none --kernel-name regex:k_lin_q --launch-skip 40 --launch-count 3 \

@@ -45,6 +45,14 @@ typedef struct df_gdn_shape {
     float eps;              /* gated RMSNorm epsilon */
 } df_gdn_shape;
 
+/* One layer of the gdn_states op: as the arguments of `gdn` (backend memory but for the
+ * weights, which are the pack's). */
+typedef struct df_gdn_layer {
+    const float *qkv, *z, *a, *b;
+    const float *conv_w, *A_log, *dt_bias, *norm_w;
+    float *conv_state, *S;
+} df_gdn_layer;
+
 typedef struct df_backend_ops {
     const char *name;
     void (*destroy)(df_backend *be);
@@ -123,6 +131,11 @@ typedef struct df_backend_ops {
                    const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
                    const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
                    float *out);
+    /* gdn_states: `gdn` with out = NULL (the states only, advanced in place by M rows) for n
+     * independent layers of one shape (layers[i]: layer i's inputs, weights and states; no two
+     * share a state buffer): the bits of n `gdn` calls, which a GPU runs in a few launches
+     * (speculative decoding replays the accepted rows of every GDN layer at once). */
+    void (*gdn_states)(df_backend *be, const df_gdn_shape *sh, int M, int n, const df_gdn_layer *layers);
 } df_backend_ops;
 
 struct df_backend {

@@ -111,6 +111,37 @@ static void step_bytes(const df_pack *pk, int ctx, double *weights, double *stat
 
 /* ---- synthetic acceptance -------------------------------------------------------------------- */
 
+#ifdef DFLASH_WITH_CUDA
+static df_cuda_stats g_stats_mark;
+#endif
+
+/* Remembers the CUDA backend's step counters (cuda_stats_print reports the steps since). */
+static void cuda_stats_mark(df_engine *e) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) df_backend_cuda_stats(e->be, &g_stats_mark);
+#else
+    (void)e;
+#endif
+}
+
+/* Prints the CUDA backend's steps since the last mark: how many ran, were replayed as graphs,
+ * or were captured. */
+static void cuda_stats_print(df_engine *e, const char *indent) {
+#ifdef DFLASH_WITH_CUDA
+    if (is_cuda(e)) {
+        df_cuda_stats cs;
+        df_backend_cuda_stats(e->be, &cs);
+        printf("%sCUDA steps: %ld, replayed as graphs: %ld, graphs captured: %ld\n", indent,
+               cs.steps - g_stats_mark.steps, cs.graph_replays - g_stats_mark.graph_replays,
+               cs.graph_captures - g_stats_mark.graph_captures);
+        g_stats_mark = cs;
+    }
+#else
+    (void)e;
+    (void)indent;
+#endif
+}
+
 typedef struct synth_acc {
     const int32_t *plain;
     int n_plain, vocab;
@@ -421,14 +452,7 @@ int df_cmd_bench(int argc, char **argv) {
     printf("prefill: %d tokens in %.1f ms = %.1f tok/s\n", o.ctx, prefill_ms, o.ctx * 1000.0 / prefill_ms);
     printf("plain decode at context %d: %.3f ms/token = %.1f tok/s (%d tokens, device argmax)\n", o.ctx, step_ms,
            1000.0 / step_ms, o.gen);
-#ifdef DFLASH_WITH_CUDA
-    if (is_cuda(e)) {
-        df_cuda_stats cs;
-        df_backend_cuda_stats(e->be, &cs);
-        printf("  CUDA steps so far: %ld, replayed as graphs: %ld, graphs captured: %ld\n", cs.steps, cs.graph_replays,
-               cs.graph_captures);
-    }
-#endif
+    cuda_stats_print(e, "  ");
     if (bw > 0) {
         double bytes = wb + sb + kvb, floor_ms = bytes / (bw * 1e9) * 1000.0;
         printf("  floor: %.3f GB/token (weights %.3f + GDN states %.3f + KV %.3f) / %.0f GB/s = %.3f ms = %.1f tok/s;"
@@ -544,6 +568,12 @@ int df_cmd_bench(int argc, char **argv) {
                 df_gen_params gp = df_gen_params_default();
                 gp.max_tokens = o.gen;
                 df_gen_result res;
+                /* a warm-up run first (the rounds' steps are captured as graphs on their second
+                 * occurrence), then the measured one */
+                if (df_generate_speculative(s, ds, prompt, o.ctx, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) goto out;
+                df_gen_result_free(&res);
+                sa.rng = 12345;
+                cuda_stats_mark(e);
                 if (df_generate_speculative(s, ds, prompt, o.ctx, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) goto out;
                 int same = res.n_ids == o.gen && memcmp(res.ids, plain, (size_t)o.gen * sizeof(int32_t)) == 0;
                 double tpr = res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0;
@@ -552,6 +582,7 @@ int df_cmd_bench(int argc, char **argv) {
                        "%.3f ms/token = %.1f tok/s vs plain %.1f tok/s: %.2fx; tokens identical to plain: %s\n",
                        o.taus[ti], o.blocks[bi], tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms, 1000.0 / step_ms,
                        step_ms / spec_ms, same ? "yes" : "NO");
+                cuda_stats_print(e, "  ");
                 df_gen_result_free(&res);
                 if (!same) goto out;
                 /* the same run again, the device awaited at each phase's end: where a round's time goes */

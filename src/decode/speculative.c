@@ -35,6 +35,7 @@ typedef struct spec_ctx {
     float **alt_conv, **alt_ssm;
     float **rec_qkv, **rec_z, **rec_a, **rec_b;
     df_gdn_redirect redirect;
+    df_gdn_layer *replay; /* [n_layers]: settle_gdn's replay of the accepted rows */
 } spec_ctx;
 
 /* Copies the tap layers' rows into dtaps on the device (no host round trip per layer). */
@@ -70,6 +71,7 @@ static void ctx_free(spec_ctx *c) {
         free(arrs[i]);
     }
     if (c->dtaps) be->ops->dealloc(be, c->dtaps);
+    free(c->replay);
     free(c->feats);
     free(c->tapbuf);
 }
@@ -91,8 +93,9 @@ static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *d
     const int L = tc->n_layers;
     float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
+    c->replay = calloc((size_t)L, sizeof *c->replay);
     if (!c->feats || !c->tapbuf || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
-        !c->rec_a || !c->rec_b)
+        !c->rec_a || !c->rec_b || !c->replay)
         goto oom;
     c->redirect = (df_gdn_redirect){.qkv = c->rec_qkv, .z = c->rec_z, .a = c->rec_a, .b = c->rec_b,
                                     .conv = c->alt_conv, .ssm = c->alt_ssm};
@@ -125,6 +128,7 @@ static void settle_gdn(spec_ctx *c, int rows, int Bv) {
     const df_gdn_shape gsh = {.n_k_heads = tc->lin_n_k_heads, .n_v_heads = tc->lin_n_v_heads,
                               .k_head_dim = tc->lin_k_head_dim, .v_head_dim = tc->lin_v_head_dim,
                               .conv_kernel = tc->conv_kernel, .eps = tc->rms_norm_eps};
+    int n = 0;
     for (int l = 0; l < tc->n_layers; l++) {
         if (!c->alt_conv[l]) continue;
         df_session_layer *sl = &s->layer[l];
@@ -137,10 +141,22 @@ static void settle_gdn(spec_ctx *c, int rows, int Bv) {
             sl->ssm_state = c->alt_ssm[l];
             c->alt_ssm[l] = t;
         } else {
-            s->be->ops->gdn(s->be, &gsh, c->rec_qkv[l], c->rec_z[l], c->rec_a[l], c->rec_b[l], w->conv1d.data,
-                            w->A_log.data, w->dt_bias.data, w->gdn_norm.data, rows, sl->conv_state, sl->ssm_state,
-                            NULL);
+            c->replay[n++] = (df_gdn_layer){.qkv = c->rec_qkv[l], .z = c->rec_z[l], .a = c->rec_a[l], .b = c->rec_b[l],
+                                            .conv_w = w->conv1d.data, .A_log = w->A_log.data,
+                                            .dt_bias = w->dt_bias.data, .norm_w = w->gdn_norm.data,
+                                            .conv_state = sl->conv_state, .S = sl->ssm_state};
         }
+    }
+    if (n == 0) return;
+    /* every layer's replay at once where the backend can (the same bits as one `gdn` each) */
+    if (s->be->ops->gdn_states) {
+        s->be->ops->gdn_states(s->be, &gsh, rows, n, c->replay);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const df_gdn_layer *r = &c->replay[i];
+        s->be->ops->gdn(s->be, &gsh, r->qkv, r->z, r->a, r->b, r->conv_w, r->A_log, r->dt_bias, r->norm_w, rows,
+                        r->conv_state, r->S, NULL);
     }
 }
 

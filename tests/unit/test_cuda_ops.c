@@ -732,6 +732,65 @@ static void test_attention(void **state) {
 
 /* ---- Gated DeltaNet --------------------------------------------------------------------------------------- */
 
+/* gdn_states over NL layers (each its own states, inputs and A_log) == one `gdn` per layer
+ * with out = NULL, bit for bit, for several row counts. */
+static void gdn_states_check(df_backend *be, const df_gdn_shape *sh, const float *dqkv, const float *dz,
+                             const float *da, const float *db, const float *conv_w, const float *dt, const float *nw,
+                             const float *cs0, const float *S0) {
+    enum { NL = 3 };
+    const int nk = sh->n_k_heads, nv = sh->n_v_heads, dk = sh->k_head_dim, dv = sh->v_head_dim;
+    const int C = 2 * nk * dk + nv * dv, Vd = nv * dv;
+    const size_t ssz = (size_t)nv * dk * dv, csz = (size_t)3 * C;
+    float *A_log[NL], *dcs[2][NL], *dS[2][NL];
+    float *h1 = malloc(ssz * 4), *h2 = malloc(ssz * 4);
+    for (int l = 0; l < NL; l++) {
+        A_log[l] = malloc((size_t)nv * 4);
+        for (int i = 0; i < nv; i++) A_log[l][i] = frand();
+        for (int k = 0; k < 2; k++) {
+            dcs[k][l] = be->ops->alloc(be, csz * 4);
+            dS[k][l] = be->ops->alloc(be, ssz * 4);
+        }
+    }
+    const int Ms[] = {1, 3, 7};
+    for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+        const int M = Ms[mi];
+        df_gdn_layer L[NL];
+        for (int l = 0; l < NL; l++) {
+            for (int k = 0; k < 2; k++) {
+                be->ops->to_device(be, dcs[k][l], cs0, csz * 4);
+                be->ops->to_device(be, dS[k][l], S0, ssz * 4);
+            }
+            /* layer l reads rows l .. l + M - 1 of the inputs */
+            L[l] = (df_gdn_layer){.qkv = dqkv + (size_t)l * C, .z = dz + (size_t)l * Vd, .a = da + (size_t)l * nv,
+                                  .b = db + (size_t)l * nv, .conv_w = conv_w, .A_log = A_log[l], .dt_bias = dt,
+                                  .norm_w = nw, .conv_state = dcs[0][l], .S = dS[0][l]};
+            be->ops->gdn(be, sh, L[l].qkv, L[l].z, L[l].a, L[l].b, conv_w, A_log[l], dt, nw, M, dcs[1][l], dS[1][l],
+                         NULL);
+        }
+        assert_non_null(be->ops->gdn_states);
+        be->ops->gdn_states(be, sh, M, NL, L);
+        for (int l = 0; l < NL; l++) {
+            dget(be, h1, dS[0][l], ssz * 4);
+            dget(be, h2, dS[1][l], ssz * 4);
+            if (memcmp(h1, h2, ssz * 4) != 0) fail_msg("gdn_states (dk %d): layer %d, M = %d: state differs", dk, l, M);
+            dget(be, h1, dcs[0][l], csz * 4);
+            dget(be, h2, dcs[1][l], csz * 4);
+            if (memcmp(h1, h2, csz * 4) != 0) fail_msg("gdn_states (dk %d): layer %d, M = %d: conv state differs", dk, l, M);
+        }
+    }
+    gpu_ok(be, "gdn_states");
+    printf("gdn_states (dk %d): %d layers at once == one gdn per layer, M = 1, 3, 7\n", dk, NL);
+    for (int l = 0; l < NL; l++) {
+        free(A_log[l]);
+        for (int k = 0; k < 2; k++) {
+            dfree_(be, dcs[k][l]);
+            dfree_(be, dS[k][l]);
+        }
+    }
+    free(h1);
+    free(h2);
+}
+
 static void gdn_case(int nk, int nv, int dk, int dv) {
     df_backend *be = g_gpu;
     const df_gdn_shape sh = {.n_k_heads = nk, .n_v_heads = nv, .k_head_dim = dk, .v_head_dim = dv, .conv_kernel = 4,
@@ -792,6 +851,7 @@ static void gdn_case(int nk, int nv, int dk, int dv) {
     dget(be, SB, dSB, ssz * 4);
     assert_memory_equal(SA, SB, ssz * 4);
     gpu_ok(be, "gdn");
+    gdn_states_check(be, &sh, dqkv, dz, da, db, conv_w, dt, nw, cs0, S0);
     /* CPU reference */
     float *cs = malloc((size_t)3 * C * 4), *S = malloc(ssz * 4), *oc = malloc((size_t)R * Vd * 4);
     memcpy(cs, cs0, (size_t)3 * C * 4);

@@ -1371,6 +1371,70 @@ static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, 
     record(cb, run_gdn, "gdn", &g, sizeof g);
 }
 
+typedef struct a_gdn_multi {
+    const dfk_gdn_job *jobs; /* in the step's parameters */
+    float eps;
+    int n, C, K, nk, nv, dk, dv, M;
+} a_gdn_multi;
+
+static int run_gdn_multi(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_gdn_multi *g = args;
+    return dfk_gdn_multi(g->jobs, g->n, g->C, g->K, g->nk, g->nv, g->dk, g->dv, g->eps, g->M);
+}
+
+/* backend.h `gdn_states`: the layers' job table goes with the step's parameters; two launches
+ * per DFK_GDN_JOBS layers. */
+#define DFK_GDN_JOBS 64
+static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, const df_gdn_layer *layers) {
+    cuda_backend *cb = cub(be);
+    if (n <= 0 || M <= 0) return;
+    a_gdn_multi g;
+    memset(&g, 0, sizeof g);
+    g.nk = sh->n_k_heads;
+    g.nv = sh->n_v_heads;
+    g.dk = sh->k_head_dim;
+    g.dv = sh->v_head_dim;
+    g.C = 2 * g.nk * g.dk + g.nv * g.dv;
+    g.K = sh->conv_kernel;
+    g.M = M;
+    g.eps = sh->eps;
+    const size_t per = (size_t)M * (size_t)g.C;
+    const int chunk = n < DFK_GDN_JOBS ? n : DFK_GDN_JOBS;
+    if (!scratch(cb, (void **)&cb->conv_out, &cb->conv_cap, per * (size_t)chunk, sizeof(float))) return;
+    _Static_assert(sizeof(dfk_gdn_job) % sizeof(int32_t) == 0, "a job is a whole number of parameter ints");
+    const size_t job_ints = sizeof(dfk_gdn_job) / sizeof(int32_t);
+    for (int i0 = 0; i0 < n; i0 += chunk) {
+        const int nn = n - i0 < chunk ? n - i0 : chunk;
+        size_t off = params(cb, (size_t)nn * job_ints + 1);
+        off += off & 1; /* 8-byte aligned pointers */
+        dfk_gdn_job *jobs = (dfk_gdn_job *)(void *)(cb->hparams + off);
+        for (int i = 0; i < nn; i++) {
+            const df_gdn_layer *L = &layers[i0 + i];
+            dfk_gdn_job J;
+            J.qkv = L->qkv;
+            J.z = L->z;
+            J.a = L->a;
+            J.b = L->b;
+            J.conv_w = dvec(cb, L->conv_w, (size_t)g.C * (size_t)g.K);
+            J.A_log = dvec(cb, L->A_log, (size_t)g.nv);
+            J.dt_bias = dvec(cb, L->dt_bias, (size_t)g.nv);
+            J.norm_w = dvec(cb, L->norm_w, (size_t)g.dv);
+            J.conv_state = L->conv_state;
+            J.S = L->S;
+            J.conv_out = cb->conv_out + (size_t)i * per;
+            if (!J.conv_w || !J.A_log || !J.dt_bias || !J.norm_w) {
+                if (!be->failed) fail(cb, "gdn: missing weights");
+                return;
+            }
+            memcpy(&jobs[i], &J, sizeof J);
+        }
+        g.jobs = (const dfk_gdn_job *)(const void *)(cb->dparams + off);
+        g.n = nn;
+        record(cb, run_gdn_multi, "gdn_states", &g, sizeof g);
+    }
+}
+
 static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
                    const float *b, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w,
                    int M, float *conv_state, float *S, float *out) {
@@ -1497,6 +1561,7 @@ static const df_backend_ops cuda_ops = {
     .linears = cu_linears,
     .linear_add = cu_linear_add,
     .gdn_to = cu_gdn_to,
+    .gdn_states = cu_gdn_states,
 };
 
 int df_cuda_available(void) {

@@ -1348,9 +1348,9 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 
 #define GDN_MAX_K 16
 
-__global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, const float *state_in, float *state,
-                           float *out) {
-    k_pdl_begin();
+/* The conv of channel block blockIdx.x (k_gdn_conv, k_gdn_conv_multi). */
+static __device__ __forceinline__ void gdn_conv_block(const float *qkv, const float *w, int C, int K, int M,
+                                                      const float *state_in, float *state, float *out) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     float win[GDN_MAX_K];
@@ -1386,6 +1386,19 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
         if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
 }
 
+__global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, const float *state_in, float *state,
+                           float *out) {
+    k_pdl_begin();
+    gdn_conv_block(qkv, w, C, K, M, state_in, state, out);
+}
+
+/* Layer blockIdx.y of a job table: its conv, in place, into its own conv_out. */
+__global__ void k_gdn_conv_multi(const dfk_gdn_job *jobs, int C, int K, int M) {
+    k_pdl_begin();
+    const dfk_gdn_job &J = jobs[blockIdx.y];
+    gdn_conv_block(J.qkv, J.conv_w, C, K, M, J.conv_state, J.conv_state, J.conv_out);
+}
+
 extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, const float *state_in,
                             float *conv_state, float *conv_out) {
     if (K < 1 || K > GDN_MAX_K) return (int)cudaErrorInvalidValue;
@@ -1399,10 +1412,10 @@ static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ?
  * registers (SPT = dk/4). Per row, in order: decay, m = Sᵀk (4 partial sums added in order),
  * d = (v - m)·β, S += k ⊗ d, o = Sᵀq (same), gated RMSNorm. */
 template <int SPT>
-__global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b, const float *A_log,
-                          const float *dt_bias, const float *norm_w, int nk, int nv, int dv, float eps, int M,
-                          const float *S_in, float *S, float *out) {
-    k_pdl_begin();
+static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
+                                                     const float *b, const float *A_log, const float *dt_bias,
+                                                     const float *norm_w, int nk, int nv, int dv, float eps, int M,
+                                                     const float *S_in, float *S, float *out) {
     constexpr int DK = 4 * SPT;
     extern __shared__ float gsm[];
     float *qs = gsm;                 /* [DK] */
@@ -1483,6 +1496,24 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
     for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
 }
 
+template <int SPT>
+__global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const float *z, const float *a, const float *b,
+                                                 const float *A_log, const float *dt_bias, const float *norm_w, int nk,
+                                                 int nv, int dv, float eps, int M, const float *S_in, float *S,
+                                                 float *out) {
+    k_pdl_begin();
+    gdn_rec_block<SPT>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
+}
+
+/* Layer blockIdx.y of a job table: its recurrence, states only, in place. */
+template <int SPT>
+__global__ void __launch_bounds__(512) k_gdn_rec_multi(const dfk_gdn_job *jobs, int nk, int nv, int dv, float eps,
+                                                       int M) {
+    k_pdl_begin();
+    const dfk_gdn_job &J = jobs[blockIdx.y];
+    gdn_rec_block<SPT>(J.conv_out, J.z, J.a, J.b, J.A_log, J.dt_bias, J.norm_w, nk, nv, dv, eps, M, J.S, J.S, NULL);
+}
+
 extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b,
                                   const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv,
                                   int dk, int dv, float eps, int M, const float *S_in, float *S, float *out) {
@@ -1507,6 +1538,24 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
         return -1;
     }
     return st;
+}
+
+extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps,
+                             int M) {
+    const int threads = 4 * dv;
+    if (n < 1 || n > 65535 || K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 ||
+        dk > threads || nv % nk != 0)
+        return -1;
+    int st = launch_k(k_gdn_conv_multi, dim3((unsigned)((C + 255) / 256), (unsigned)n), dim3(256), 0, jobs, C, K, M);
+    if (st) return st;
+    const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
+    const dim3 grid((unsigned)nv, (unsigned)n);
+    switch (dk) {
+    case 32: return launch_k(k_gdn_rec_multi<8>, grid, dim3((unsigned)threads), smem, jobs, nk, nv, dv, eps, M);
+    case 64: return launch_k(k_gdn_rec_multi<16>, grid, dim3((unsigned)threads), smem, jobs, nk, nv, dv, eps, M);
+    case 128: return launch_k(k_gdn_rec_multi<32>, grid, dim3((unsigned)threads), smem, jobs, nk, nv, dv, eps, M);
+    default: return -1;
+    }
 }
 
 /* ---- copy bandwidth ------------------------------------------------------------------------- */

@@ -236,6 +236,17 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
                        const float *dt_bias, const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M,
                        const float *S_in, float *S, float *out);
 
+/* One layer of dfk_gdn_multi (device pointers; conv_out: [M, C] scratch of its own). */
+typedef struct dfk_gdn_job {
+    const float *qkv, *z, *a, *b, *conv_w, *A_log, *dt_bias, *norm_w;
+    float *conv_state, *S, *conv_out;
+} dfk_gdn_job;
+
+/* dfk_gdn_conv then dfk_gdn_recurrence with out = NULL, states in place, for n independent
+ * layers of one shape (jobs: a device array of n jobs) in two launches; per layer the bits of
+ * the two calls. -1 for an unsupported shape. */
+int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps, int M);
+
 /* ---- misc ----------------------------------------------------------------------------------- */
 
 /* Device-to-device copy bandwidth: copies `bytes` `reps` times (after one warm-up) and
