@@ -5,8 +5,8 @@
  *
  * Linear (2-bit, group 128, Hadamard 1024) for the target's shapes at M = 1, 2, 4, 8, 16 rows:
  * microseconds per call and weight bytes / time; dense bf16 (drafter) at M = 8, 16; attention
- * (24/4 heads x 256) at contexts 1024 and 32768 for M = 1 and 16; Gated DeltaNet (48 heads
- * 128 x 128) for M = 1 and 16. --quant-only: the 2-bit linears only;
+ * (24/4 heads x 256) at contexts 1024 and 32768 for M = 1, 4 and 16; Gated DeltaNet (48 heads
+ * 128 x 128) for M = 1, 4 and 16. --quant-only: the 2-bit linears only;
  * --shape NAME: the linears whose name contains NAME. --block: one MLP block and the next
  * layer's input projections as the model runs them (RMSNorm + gate/up, SwiGLU + down + residual,
  * RMSNorm + in_proj_qkv/z) at M = 1, repeated: microseconds per block against its weight bytes. Environment variables of the backend (DFLASH_CUDA_KW,
@@ -218,8 +218,8 @@ int main(int argc, char **argv) {
         float *out = be->ops->alloc(be, (size_t)16 * 24 * 256 * 4);
         int32_t pos[16];
         for (int m = 0; m < 16; m++) pos[m] = ctxs[c] + m;
-        const int Ms[] = {1, 16};
-        for (int mi = 0; mi < 2; mi++) {
+        const int Ms[] = {1, 4, 16};
+        for (int mi = 0; mi < 3; mi++) {
             be->ops->attention(be, &sh, q, kk, kk, qn, qn, pos, Ms[mi], kc, vc, ctxs[c], out);
             df_backend_cuda_sync(be);
             double t0 = df_now_ms();
@@ -246,8 +246,8 @@ int main(int argc, char **argv) {
     float *qkv = be->ops->alloc(be, (size_t)16 * C * 4), *z = be->ops->alloc(be, (size_t)16 * 6144 * 4);
     float *ab = be->ops->alloc(be, (size_t)16 * 48 * 4), *cs = be->ops->alloc(be, (size_t)3 * C * 4);
     float *S = be->ops->alloc(be, (size_t)48 * 128 * 128 * 4), *o = be->ops->alloc(be, (size_t)16 * 6144 * 4);
-    const int Ms[] = {1, 16};
-    for (int mi = 0; mi < 2; mi++) {
+    const int Ms[] = {1, 4, 16};
+    for (int mi = 0; mi < 3; mi++) {
         be->ops->gdn(be, &gs, qkv, z, ab, ab, cw, al, dt, nw, Ms[mi], cs, S, o);
         df_backend_cuda_sync(be);
         double t0 = df_now_ms();

@@ -1305,7 +1305,7 @@ static void cu_attention(df_backend *be, const df_attn_shape *sh, float *q, floa
     a_attn a;
     if (!attn_prep(cb, sh, q, k, v, q_norm, k_norm, positions, M, k_cache, v_cache, pos0, &a)) return;
     /* chunk bound rounded up to a power of two (>= 8): steps at nearby positions share a graph */
-    const int need = (pos0 + M + DFK_ATTN_CHUNK - 1) / DFK_ATTN_CHUNK;
+    const int ch = dfk_attn_chunk(), need = (pos0 + M + ch - 1) / ch;
     int nchunk = 8;
     while (nchunk < need) nchunk *= 2;
     if (!scratch(cb, (void **)&cb->part, &cb->part_cap,
@@ -1623,6 +1623,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
     const char *occ = getenv("DFLASH_CUDA_OCC"); /* experiments: 3 = a tighter register budget (spills) */
     dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
+    const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64, 128 positions per attention block */
+    if (ach) dfk_set_attn_chunk(atoi(ach));
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;

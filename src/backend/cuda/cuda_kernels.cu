@@ -1157,10 +1157,16 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
  * trees), unnormalised output o[d] = Σ_t p_t v_t[d] in position order.
  * part[m, h, c] = (o[0..hd), max, sum). */
 #define ATTN_MAX_G 16
+static int g_attn_chunk = DFK_ATTN_CHUNK;
+extern "C" void dfk_set_attn_chunk(int chunk) {
+    if (chunk == 32 || chunk == 64 || chunk == DFK_ATTN_CHUNK) g_attn_chunk = chunk;
+}
+extern "C" int dfk_attn_chunk(void) { return g_attn_chunk; }
 template <int GM>
 __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
                                                    const float *k_cache, const float *v_cache, float scale, int causal,
-                                                   const int32_t *pos0p, int M, int nchunk, float *part) {
+                                                   const int32_t *pos0p, int M, int nchunk, int chunk,
+                                                   float *part) {
     k_pdl_begin();
     const int pos0 = __ldcg(pos0p);
     __shared__ float sq[4096];
@@ -1168,9 +1174,9 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     __shared__ float smx[GM], ssum[GM];
     const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
-    const int t0 = c * DFK_ATTN_CHUNK;
+    const int t0 = c * chunk;
     if (t0 >= len) return;
-    const int t1 = len < t0 + DFK_ATTN_CHUNK ? len : t0 + DFK_ATTN_CHUNK, n = t1 - t0;
+    const int t1 = len < t0 + chunk ? len : t0 + chunk, n = t1 - t0;
     for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
         const int gi = i / hd, d = i % hd;
         sq[i] = __ldcg(&q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
@@ -1262,13 +1268,14 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 
 /* One block per (head, row): chunks combined in order. */
 __global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal,
-                               const int32_t *pos0p, int M, int nchunk, const float *part, float *out) {
+                               const int32_t *pos0p, int M, int nchunk, int chunk, const float *part,
+                               float *out) {
     k_pdl_begin();
     const int pos0 = __ldcg(pos0p);
     __shared__ float wsm[1024];
     const int h = blockIdx.x, m = blockIdx.y;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
-    const int nc = (len + DFK_ATTN_CHUNK - 1) / DFK_ATTN_CHUNK;
+    const int nc = (len + chunk - 1) / chunk;
     const float *pr = part + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk * (size_t)(hd + 2);
     float mx = -INFINITY;
     for (int c = 0; c < nc; c++) mx = fmaxf(mx, __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]));
@@ -1304,19 +1311,20 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
     int st;
     if (G <= 2)
         st = launch_k(k_attn_part<2>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, part);
+                      pos0, M, nchunk, g_attn_chunk, part);
     else if (G <= 4)
         st = launch_k(k_attn_part<4>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, part);
+                      pos0, M, nchunk, g_attn_chunk, part);
     else if (G <= 8)
         st = launch_k(k_attn_part<8>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, part);
+                      pos0, M, nchunk, g_attn_chunk, part);
     else
         st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, part);
+                      pos0, M, nchunk, g_attn_chunk, part);
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M);
-    return launch_k(k_attn_combine, g2, dim3(128), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk, part, out);
+    return launch_k(k_attn_combine, g2, dim3(128), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk,
+                    g_attn_chunk, part, out);
 }
 
 /* ---- DFlash2 grouped dynamic convolution ---------------------------------------------------- */
@@ -1408,22 +1416,39 @@ extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K,
 
 static __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* Rows per batch of the recurrence kernels (their normalized q/k in shared memory). */
+#define GDN_RB 16
+
+/* Shared memory of k_gdn_rec / k_gdn_rec_multi (floats): qs, ks [GDN_RB][dk], o [GDN_RB][dv],
+ * two [4][dv] partial-sum buffers, beta and decay [GDN_RB]. */
+static size_t gdn_rec_smem(int dk, int dv) {
+    return (size_t)(2 * GDN_RB * dk + GDN_RB * dv + 8 * dv + 2 * GDN_RB) * sizeof(float);
+}
+
 /* One block per value head j: 4 x dv threads; thread (grp, v) keeps S[grp*SPT .. +SPT)[v] in
- * registers (SPT = dk/4). Per row, in order: decay, m = Sᵀk (4 partial sums added in order),
- * d = (v - m)·β, S += k ⊗ d, o = Sᵀq (same), gated RMSNorm. */
+ * registers (SPT = dk/4). Rows in batches of GDN_RB: first, a warp per row, the row's
+ * L2-normalized q (times 1/sqrt(dk)) and k (lanes over the elements in order, then an xor
+ * tree), β = σ(b) and the decay exp(A·softplus(a + dt_bias)), which do not depend on the
+ * state; then per row, in order: decay, m = Sᵀk (4 partial sums added in order), d = (v − m)·β,
+ * S += k ⊗ d, o = Sᵀq (same); last, a warp per row, the gated RMSNorm of o. Each row's
+ * arithmetic is the same whatever M: two block barriers per row. */
 template <int SPT>
 static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
                                                      const float *b, const float *A_log, const float *dt_bias,
                                                      const float *norm_w, int nk, int nv, int dv, float eps, int M,
                                                      const float *S_in, float *S, float *out) {
-    constexpr int DK = 4 * SPT;
+    constexpr int DK = 4 * SPT, PL = (DK + 31) / 32;
     extern __shared__ float gsm[];
-    float *qs = gsm;                 /* [DK] */
-    float *ks = qs + DK;             /* [DK] */
-    float *part = ks + DK;           /* [4][dv] */
-    float *red = part + 4 * dv;      /* [blockDim.x] */
+    float *qs = gsm;                 /* [GDN_RB][DK] */
+    float *ks = qs + GDN_RB * DK;    /* [GDN_RB][DK] */
+    float *osm = ks + GDN_RB * DK;   /* [GDN_RB][dv] */
+    float *part = osm + GDN_RB * dv; /* [4][dv] */
+    float *part2 = part + 4 * dv;    /* [4][dv] */
+    float *bet = part2 + 4 * dv;     /* [GDN_RB] */
+    float *dec = bet + GDN_RB;       /* [GDN_RB] */
     const int j = blockIdx.x, kh = j / (nv / nk);
-    const int tid = threadIdx.x, v = tid % dv, grp = tid / dv;
+    const int tid = threadIdx.x, v = tid % dv, grp = tid / dv, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = (int)(blockDim.x >> 5);
     const int Kd = nk * DK, Vd = nv * dv, C = 2 * Kd + Vd;
     const float *Sj_in = S_in + (size_t)j * (size_t)DK * (size_t)dv;
     float *Sj = S + (size_t)j * (size_t)DK * (size_t)dv;
@@ -1432,65 +1457,79 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     for (int i = 0; i < SPT; i++) s[i] = __ldcg(&Sj_in[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v]);
     const float qscale = 1.0f / sqrtf((float)DK);
     const float A = -expf(A_log[j]);
-    /* a row's inputs for this thread (q, k element tid; a, b of the head; v column v; z when
-     * out), loaded one row ahead: their latency overlaps the previous row's work */
     const float dtb = dt_bias[j];
-    float in_n[6];
-    auto load_row = [&](int m, float *r) {
-        const float *row = conv_out + (size_t)m * (size_t)C;
-        r[0] = tid < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)tid]) : 0.0f;
-        r[1] = tid < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)tid]) : 0.0f;
-        r[2] = __ldcg(&b[(size_t)m * (size_t)nv + (size_t)j]);
-        r[3] = __ldcg(&a[(size_t)m * (size_t)nv + (size_t)j]);
-        r[4] = __ldcg(&row[2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v]);
-        r[5] = (out && grp == 0) ? __ldcg(&z[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v]) : 0.0f;
-    };
-    if (M > 0) load_row(0, in_n);
-    for (int m = 0; m < M; m++) {
-        float in[6];
+    for (int m0 = 0; m0 < M; m0 += GDN_RB) {
+        const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
+        for (int r = warp; r < nb; r += nwarps) {
+            const float *row = conv_out + (size_t)(m0 + r) * (size_t)C;
+            float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 6; i++) in[i] = in_n[i];
-        if (m + 1 < M) load_row(m + 1, in_n);
-        const float qv = in[0], kv = in[1];
-        float qn = 1.0f / sqrtf(block_sum(qv * qv, red) + 1e-6f);
-        float kn = 1.0f / sqrtf(block_sum(kv * kv, red) + 1e-6f);
-        if (tid < DK) {
-            qs[tid] = (qv * qn) * qscale;
-            ks[tid] = kv * kn;
-        }
-        const float beta = sigmoid_f(in[2]);
-        const float gg = A * softplus_f(in[3] + dtb);
-        const float decay = expf(gg);
-        __syncthreads();
-        float mp = 0.0f;
-#pragma unroll
-        for (int i = 0; i < SPT; i++) {
-            s[i] = s[i] * decay;
-            mp = mp + s[i] * ks[grp * SPT + i];
-        }
-        part[grp * dv + v] = mp;
-        __syncthreads();
-        const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
-        const float d = (in[4] - mem) * beta;
-        __syncthreads();
-        float op = 0.0f;
-#pragma unroll
-        for (int i = 0; i < SPT; i++) {
-            s[i] = s[i] + ks[grp * SPT + i] * d;
-            op = op + s[i] * qs[grp * SPT + i];
-        }
-        part[grp * dv + v] = op;
-        __syncthreads();
-        const float o = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
-        if (out) {
-            float ss = block_sum(grp == 0 ? o * o : 0.0f, red);
-            float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-            if (grp == 0) {
-                out[(size_t)m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)v] = (norm_w[v] * (o * inv)) * silu_f(in[5]);
+            for (int i = 0; i < PL; i++) {
+                const int e = lane + 32 * i;
+                qv[i] = e < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
+                kv[i] = e < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)e]) : 0.0f;
             }
-        } else {
-            __syncthreads(); /* part is rewritten by the next row */
+#pragma unroll
+            for (int i = 0; i < PL; i++) {
+                sq = sq + qv[i] * qv[i];
+                sk = sk + kv[i] * kv[i];
+            }
+            const float qn = 1.0f / sqrtf(warp_sum(sq) + 1e-6f), kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+            for (int i = 0; i < PL; i++) {
+                const int e = lane + 32 * i;
+                if (e < DK) {
+                    qs[r * DK + e] = (qv[i] * qn) * qscale;
+                    ks[r * DK + e] = kv[i] * kn;
+                }
+            }
+            if (lane == 0) {
+                bet[r] = sigmoid_f(__ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]));
+                dec[r] = expf(A * softplus_f(__ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) + dtb));
+            }
         }
+        __syncthreads();
+        const float *vcol = conv_out + 2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v;
+        float vin_n = __ldcg(&vcol[(size_t)m0 * (size_t)C]);
+        for (int r = 0; r < nb; r++) {
+            const float vin = vin_n;
+            if (r + 1 < nb) vin_n = __ldcg(&vcol[(size_t)(m0 + r + 1) * (size_t)C]);
+            const float decay = dec[r], beta = bet[r];
+            const float *kr = ks + r * DK + grp * SPT, *qr = qs + r * DK + grp * SPT;
+            float mp = 0.0f;
+#pragma unroll
+            for (int i = 0; i < SPT; i++) {
+                s[i] = s[i] * decay;
+                mp = mp + s[i] * kr[i];
+            }
+            part[grp * dv + v] = mp;
+            __syncthreads();
+            const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
+            const float d = (vin - mem) * beta;
+            float op = 0.0f;
+#pragma unroll
+            for (int i = 0; i < SPT; i++) {
+                s[i] = s[i] + kr[i] * d;
+                op = op + s[i] * qr[i];
+            }
+            part2[grp * dv + v] = op;
+            __syncthreads();
+            if (grp == 0) osm[r * dv + v] = ((part2[v] + part2[dv + v]) + part2[2 * dv + v]) + part2[3 * dv + v];
+        }
+        if (out) {
+            __syncthreads(); /* osm */
+            for (int r = warp; r < nb; r += nwarps) {
+                const size_t m = (size_t)(m0 + r);
+                float ss = 0.0f;
+                for (int e = lane; e < dv; e += 32) ss = ss + osm[r * dv + e] * osm[r * dv + e];
+                const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)dv + eps);
+                for (int e = lane; e < dv; e += 32) {
+                    const size_t oi = m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)e;
+                    out[oi] = (norm_w[e] * (osm[r * dv + e] * inv)) * silu_f(__ldcg(&z[oi]));
+                }
+            }
+        }
+        __syncthreads(); /* the batch's shared arrays are rewritten by the next */
     }
 #pragma unroll
     for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
@@ -1519,7 +1558,7 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
                                   int dk, int dv, float eps, int M, const float *S_in, float *S, float *out) {
     const int threads = 4 * dv;
     if (dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads || nv % nk != 0) return -1;
-    const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
+    const size_t smem = gdn_rec_smem(dk, dv);
     int st;
     switch (dk) {
     case 32:
@@ -1548,7 +1587,7 @@ extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int n
         return -1;
     int st = launch_k(k_gdn_conv_multi, dim3((unsigned)((C + 255) / 256), (unsigned)n), dim3(256), 0, jobs, C, K, M);
     if (st) return st;
-    const size_t smem = (size_t)(2 * dk + 4 * dv + threads) * sizeof(float);
+    const size_t smem = gdn_rec_smem(dk, dv);
     const dim3 grid((unsigned)nv, (unsigned)n);
     switch (dk) {
     case 32: return launch_k(k_gdn_rec_multi<8>, grid, dim3((unsigned)threads), smem, jobs, nk, nv, dv, eps, M);

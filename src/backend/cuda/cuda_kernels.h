@@ -203,13 +203,13 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
                 const float *k_norm, int rot, float theta, float eps, const int32_t *positions, int M, float *k_cache,
                 float *v_cache);
 
-/* Attention of M rows over the cache in chunks of DFK_ATTN_CHUNK positions: row m sees
+/* Attention of M rows over the cache in chunks of dfk_attn_chunk() positions: row m sees
  * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
  * pos0: device int32 (read by the kernels); nchunk: any bound >= the chunks needed (blocks past
  * a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
  * (· sigmoid(gate) when gated). Returns -1 for an unsupported shape (more than 16 query heads
  * per KV head, or group x head_dim above 4096). */
-#define DFK_ATTN_CHUNK 128
+#define DFK_ATTN_CHUNK 128 /* the largest chunk */
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                   const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
 
@@ -246,6 +246,12 @@ typedef struct dfk_gdn_job {
  * layers of one shape (jobs: a device array of n jobs) in two launches; per layer the bits of
  * the two calls. -1 for an unsupported shape. */
 int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps, int M);
+
+/* The attention chunk (positions per block of dfk_attention): 32, 64 or DFK_ATTN_CHUNK (other
+ * values are ignored). Set once per process, before any attention: the chunk is part of the
+ * arithmetic (the same for every row and every M, so never of batch invariance). */
+void dfk_set_attn_chunk(int chunk);
+int dfk_attn_chunk(void);
 
 /* ---- misc ----------------------------------------------------------------------------------- */
 
