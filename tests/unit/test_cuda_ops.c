@@ -276,8 +276,9 @@ static void q_model(const df_linear *L, const float *x, int M, double *yref, dou
     free(e2);
 }
 
-/* GPU y (fixed-point path) against the model (float32 rounding: 4 roundings per group and
- * one per group sum, relative 2^-24 each, on magnitudes <= mag) and against the CPU (the
+/* GPU y (fixed-point path) against the model (float32 rounding: at most 4 roundings per group
+ * (the kernel's D·2^E product and two fused multiply-adds) and one per group sum, relative 2^-24
+ * each, on magnitudes <= mag) and against the CPU (the
  * activation rounding qerr plus the CPU's own float32 error, 2e-6 of the row scale). */
 static void check_qpath(const df_linear *L, const float *x, int R, const float *y, const float *ycpu,
                         const char *what) {

