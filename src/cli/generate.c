@@ -293,6 +293,12 @@ int cmd_generate(int argc, char **argv) {
                 speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }
+    if (stats && speculative && res.draft_rounds > 0) {
+        const double nr = (double)res.draft_rounds;
+        fprintf(stderr, "dflash: per round: drafter pass %.3f ms, verify pass %.3f ms, GDN settle %.3f ms, drafter context "
+                        "%.3f ms (wall time between the phases' ends)\n",
+                res.draft_ms / nr, res.verify_ms / nr, res.settle_ms / nr, res.context_ms / nr);
+    }
     if (stats)
         fprintf(stderr, "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f%s%s\n",
                 res.draft_rounds, res.draft_n, res.draft_n_accepted,

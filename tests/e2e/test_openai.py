@@ -382,6 +382,7 @@ def test_speculative_block_options_equal_plain(plain_server):
         full, h = chat(s.url, body)
         assert h["x-dflash"] == "speculative" and full["choices"][0]["message"] == plain
         assert full["timings"]["draft_rounds"] > 0
+        assert full["timings"]["draft_ms"] > 0 and full["timings"]["verify_ms"] > 0
 
 
 # ---- logprobs, logit_bias --------------------------------------------------------------------
