@@ -1317,20 +1317,39 @@ static void cu_attention(df_backend *be, const df_attn_shape *sh, float *q, floa
     record(cb, run_attention, "attention", &a, sizeof a);
 }
 
+/* A GDN launch's dimensions (conv channels C = 2·nk·dk + nv·dv). */
+typedef struct gdn_dims {
+    float eps;
+    int nk, nv, dk, dv, C, K, M;
+} gdn_dims;
+
+static gdn_dims gdn_dims_of(const df_gdn_shape *sh, int M) {
+    gdn_dims d;
+    d.nk = sh->n_k_heads;
+    d.nv = sh->n_v_heads;
+    d.dk = sh->k_head_dim;
+    d.dv = sh->v_head_dim;
+    d.C = 2 * d.nk * d.dk + d.nv * d.dv;
+    d.K = sh->conv_kernel;
+    d.M = M;
+    d.eps = sh->eps;
+    return d;
+}
+
 typedef struct a_gdn {
     const float *qkv, *z, *a, *b, *cw, *al, *dt, *nw, *conv_in, *S_in;
     float *conv_state, *S, *out, *conv_out;
-    float eps;
-    int nk, nv, dk, dv, C, K, M;
+    gdn_dims d;
 } a_gdn;
 
 static int run_gdn(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn *g = args;
-    int st = dfk_gdn_conv(g->qkv, g->cw, g->C, g->K, g->M, g->conv_in, g->conv_state, g->conv_out);
+    const gdn_dims *d = &g->d;
+    int st = dfk_gdn_conv(g->qkv, g->cw, d->C, d->K, d->M, g->conv_in, g->conv_state, g->conv_out);
     if (st) return st;
-    return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, g->nk, g->nv, g->dk, g->dv, g->eps,
-                              g->M, g->S_in, g->S, g->out);
+    return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, d->nk, d->nv, d->dk, d->dv, d->eps,
+                              d->M, g->S_in, g->S, g->out);
 }
 
 /* backend.h `gdn_to` (conv_in == conv_state and S_in == S: `gdn`, in place). */
@@ -1341,23 +1360,16 @@ static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, 
     cuda_backend *cb = cub(be);
     a_gdn g;
     memset(&g, 0, sizeof g);
-    g.nk = sh->n_k_heads;
-    g.nv = sh->n_v_heads;
-    g.dk = sh->k_head_dim;
-    g.dv = sh->v_head_dim;
-    g.C = 2 * g.nk * g.dk + g.nv * g.dv;
-    g.K = sh->conv_kernel;
-    g.M = M;
-    g.eps = sh->eps;
-    g.cw = dvec(cb, conv_w, (size_t)g.C * (size_t)g.K);
-    g.al = dvec(cb, A_log, (size_t)g.nv);
-    g.dt = dvec(cb, dt_bias, (size_t)g.nv);
-    g.nw = dvec(cb, norm_w, (size_t)g.dv);
+    g.d = gdn_dims_of(sh, M);
+    g.cw = dvec(cb, conv_w, (size_t)g.d.C * (size_t)g.d.K);
+    g.al = dvec(cb, A_log, (size_t)g.d.nv);
+    g.dt = dvec(cb, dt_bias, (size_t)g.d.nv);
+    g.nw = dvec(cb, norm_w, (size_t)g.d.dv);
     if (!g.cw || !g.al || !g.dt || !g.nw) {
         if (!be->failed) fail(cb, "gdn: missing weights");
         return;
     }
-    if (!scratch(cb, (void **)&cb->conv_out, &cb->conv_cap, (size_t)M * (size_t)g.C, sizeof(float))) return;
+    if (!scratch(cb, (void **)&cb->conv_out, &cb->conv_cap, (size_t)M * (size_t)g.d.C, sizeof(float))) return;
     g.conv_out = cb->conv_out;
     g.qkv = qkv;
     g.z = z;
@@ -1373,14 +1385,15 @@ static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, 
 
 typedef struct a_gdn_multi {
     const dfk_gdn_job *jobs; /* in the step's parameters */
-    float eps;
-    int n, C, K, nk, nv, dk, dv, M;
+    int n;
+    gdn_dims d;
 } a_gdn_multi;
 
 static int run_gdn_multi(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn_multi *g = args;
-    return dfk_gdn_multi(g->jobs, g->n, g->C, g->K, g->nk, g->nv, g->dk, g->dv, g->eps, g->M);
+    const gdn_dims *d = &g->d;
+    return dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
 }
 
 /* backend.h `gdn_states`: the layers' job table goes with the step's parameters; two launches
@@ -1391,15 +1404,8 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
     if (n <= 0 || M <= 0) return;
     a_gdn_multi g;
     memset(&g, 0, sizeof g);
-    g.nk = sh->n_k_heads;
-    g.nv = sh->n_v_heads;
-    g.dk = sh->k_head_dim;
-    g.dv = sh->v_head_dim;
-    g.C = 2 * g.nk * g.dk + g.nv * g.dv;
-    g.K = sh->conv_kernel;
-    g.M = M;
-    g.eps = sh->eps;
-    const size_t per = (size_t)M * (size_t)g.C;
+    g.d = gdn_dims_of(sh, M);
+    const size_t per = (size_t)M * (size_t)g.d.C;
     const int chunk = n < DFK_GDN_JOBS ? n : DFK_GDN_JOBS;
     if (!scratch(cb, (void **)&cb->conv_out, &cb->conv_cap, per * (size_t)chunk, sizeof(float))) return;
     _Static_assert(sizeof(dfk_gdn_job) % sizeof(int32_t) == 0, "a job is a whole number of parameter ints");
@@ -1416,10 +1422,10 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
             J.z = L->z;
             J.a = L->a;
             J.b = L->b;
-            J.conv_w = dvec(cb, L->conv_w, (size_t)g.C * (size_t)g.K);
-            J.A_log = dvec(cb, L->A_log, (size_t)g.nv);
-            J.dt_bias = dvec(cb, L->dt_bias, (size_t)g.nv);
-            J.norm_w = dvec(cb, L->norm_w, (size_t)g.dv);
+            J.conv_w = dvec(cb, L->conv_w, (size_t)g.d.C * (size_t)g.d.K);
+            J.A_log = dvec(cb, L->A_log, (size_t)g.d.nv);
+            J.dt_bias = dvec(cb, L->dt_bias, (size_t)g.d.nv);
+            J.norm_w = dvec(cb, L->norm_w, (size_t)g.d.dv);
             J.conv_state = L->conv_state;
             J.S = L->S;
             J.conv_out = cb->conv_out + (size_t)i * per;
