@@ -18,6 +18,9 @@
  * The floor of a decode step: bytes that must be read per token (every linear but the
  * embedding, GDN states read + written, the KV cache read at the context length, float32 as
  * stored) over the measured device copy bandwidth (read + write bytes per second). */
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,15 +52,34 @@ typedef struct bench_opts {
     int id_prompts, id_tokens;    /* --identity N,T: speculative == plain check */
 } bench_opts;
 
+/* An int from the whole of s (decimal, no sign for lists); 0 on success. */
+static int strict_int(const char *s, int *out) {
+    if (!s || !*s || isspace((unsigned char)*s)) return -1;
+    char *end = NULL;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < INT_MIN || v > INT_MAX) return -1;
+    *out = (int)v;
+    return 0;
+}
+
+/* A comma-separated list of 1..max ints ("4,8,16": no empty items); the count, or -1 for a
+ * malformed list, -2 for more than max items. */
 static int parse_list(const char *s, int *out, int max) {
     int n = 0;
-    while (*s && n < max) {
-        out[n++] = atoi(s);
+    char item[32];
+    for (;;) {
         const char *c = strchr(s, ',');
-        if (!c) break;
+        const size_t len = c ? (size_t)(c - s) : strlen(s);
+        if (len == 0 || len >= sizeof item) return -1;
+        if (n == max) return -2;
+        memcpy(item, s, len);
+        item[len] = 0;
+        if (strict_int(item, &out[n]) != 0) return -1;
+        n++;
+        if (!c) return n;
         s = c + 1;
     }
-    return n;
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -341,26 +363,69 @@ static int draft_pass_times(df_engine *e, df_draft_state *ds, int32_t tok, int n
     return ok;
 }
 
+/* Parses a list option's value into out (1..MAX_LIST items); 2 after a usage message. */
+static int list_opt(const char *name, const char *v, int *out, int *n) {
+    const int k = parse_list(v, out, MAX_LIST);
+    if (k == -2) {
+        fprintf(stderr, "dflash bench: %s takes at most %d values (got %s)\n(see 'dflash bench --help')\n", name,
+                MAX_LIST, v);
+        return 2;
+    }
+    if (k < 0) {
+        fprintf(stderr, "dflash bench: %s takes comma-separated integers, e.g. 4,8,16 (got '%s')\n"
+                        "(see 'dflash bench --help')\n", name, v);
+        return 2;
+    }
+    *n = k;
+    return 0;
+}
+
 int df_cmd_bench(int argc, char **argv) {
     bench_opts o = {.device = "cuda", .ctx = 1024, .gen = 128, .repeats = 7, .window = 4096, .verify_curve = 1};
     o.blocks[0] = 16;
     o.n_blocks = 1;
+    /* options given once (all but --synthetic-acceptance, which repeats) */
+    static const char *const once[] = {"--model",  "--drafter", "--device",           "--ctx",
+                                       "--gen",    "--repeats", "--window",           "--threads",
+                                       "--block",  "--memory-ctx", "--no-verify-curve", "--draft-quant-pass",
+                                       "--identity"};
+    int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--model") && v) o.model = argv[++i];
+        for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
+            if (!strcmp(a, once[k]) && seen[k]++) return usage_error("option %s given twice", a);
+        int *num = !strcmp(a, "--ctx")       ? &o.ctx
+                   : !strcmp(a, "--gen")     ? &o.gen
+                   : !strcmp(a, "--repeats") ? &o.repeats
+                   : !strcmp(a, "--window")  ? &o.window
+                   : !strcmp(a, "--threads") ? &o.threads
+                                             : NULL;
+        if (num && v) {
+            if (strict_int(v, num) != 0) {
+                fprintf(stderr, "dflash bench: %s takes an integer (got '%s')\n(see 'dflash bench --help')\n", a, v);
+                return 2;
+            }
+            i++;
+        } else if (!strcmp(a, "--model") && v) o.model = argv[++i];
         else if (!strcmp(a, "--drafter") && v) o.drafter = argv[++i];
         else if (!strcmp(a, "--device") && v) o.device = argv[++i];
-        else if (!strcmp(a, "--ctx") && v) o.ctx = atoi(argv[++i]);
-        else if (!strcmp(a, "--gen") && v) o.gen = atoi(argv[++i]);
-        else if (!strcmp(a, "--repeats") && v) o.repeats = atoi(argv[++i]);
-        else if (!strcmp(a, "--window") && v) o.window = atoi(argv[++i]);
-        else if (!strcmp(a, "--threads") && v) o.threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--block") && v) o.n_blocks = parse_list(argv[++i], o.blocks, MAX_LIST);
-        else if (!strcmp(a, "--memory-ctx") && v) o.n_mem = parse_list(argv[++i], o.mem_ctx, MAX_LIST);
-        else if (!strcmp(a, "--synthetic-acceptance") && v && o.n_taus < MAX_LIST) o.taus[o.n_taus++] = atof(argv[++i]);
-        else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
-        else if (!strcmp(a, "--draft-quant-pass") && v) o.n_quant = parse_list(argv[++i], o.quant, MAX_LIST);
+        else if (!strcmp(a, "--block") && v) {
+            if (list_opt(a, argv[++i], o.blocks, &o.n_blocks)) return 2;
+        } else if (!strcmp(a, "--memory-ctx") && v) {
+            if (list_opt(a, argv[++i], o.mem_ctx, &o.n_mem)) return 2;
+        } else if (!strcmp(a, "--draft-quant-pass") && v) {
+            if (list_opt(a, argv[++i], o.quant, &o.n_quant)) return 2;
+        } else if (!strcmp(a, "--synthetic-acceptance") && v) {
+            if (o.n_taus == MAX_LIST) return usage_error("--synthetic-acceptance is given at most 8 times (got %s more)", v);
+            char *end = NULL;
+            const double t = strtod(v, &end);
+            if (end == v || *end || !isfinite(t) || !(t > 1.0) || t > 1000.0)
+                return usage_error("--synthetic-acceptance takes a number of tokens per round > 1 and <= 1000 (got '%s')",
+                                   v);
+            o.taus[o.n_taus++] = t;
+            i++;
+        } else if (!strcmp(a, "--no-verify-curve")) o.verify_curve = 0;
         else if (!strcmp(a, "--identity") && v) {
             int nt[2] = {0, 0};
             if (parse_list(argv[++i], nt, 2) != 2 || nt[0] < 1 || nt[1] < 2)
@@ -394,6 +459,9 @@ int df_cmd_bench(int argc, char **argv) {
             o.drafter = dpath;
         }
     }
+    if (!o.drafter && (o.n_taus || o.n_quant || o.id_prompts))
+        return usage_error("%s", "--synthetic-acceptance, --draft-quant-pass and --identity need a drafter (--drafter DIR, "
+                                 "or a drafter/ folder in the model folder)");
     setvbuf(stdout, NULL, _IOLBF, 0);
     df_error err = {0};
     double bw = 0;
@@ -430,6 +498,11 @@ int df_cmd_bench(int argc, char **argv) {
     int32_t *plain = NULL;
     df_drafter *d = NULL;
     df_draft_state *ds = NULL;
+    if ((long)o.ctx + o.gen + 64 > pk->cfg.max_position_embeddings) {
+        df_error_set(&err, DF_ERR_RANGE, "--ctx %d + --gen %d (+ 64 positions of room) exceeds the model's context of %d",
+                     o.ctx, o.gen, pk->cfg.max_position_embeddings);
+        goto out;
+    }
     if (df_session_init(&s, e, o.ctx + o.gen + 64, &err) != DF_OK) goto out;
 
     /* warm-up: uploads the weights */
@@ -587,11 +660,16 @@ int df_cmd_bench(int argc, char **argv) {
                 int same = res.n_ids == o.gen && memcmp(res.ids, plain, (size_t)o.gen * sizeof(int32_t)) == 0;
                 double tpr = res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0;
                 double spec_ms = res.decode_ms / (double)(res.n_ids > 1 ? res.n_ids - 1 : 1);
-                printf("speed at synthetic acceptance tau %.2f, block %d: measured %.2f tokens/round over %d rounds; "
-                       "%.3f ms/token = %.1f tok/s vs plain %.1f tok/s (measured just before): %.2fx; tokens "
-                       "identical to plain: %s\n",
-                       o.taus[ti], o.blocks[bi], tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms, 1000.0 / near_ms,
-                       near_ms / spec_ms, same ? "yes" : "NO");
+                if (res.draft_rounds == 0)
+                    printf("speed at synthetic acceptance tau %.2f, block %d: no round ran (--gen %d leaves no room for "
+                           "one); tokens identical to plain: %s\n",
+                           o.taus[ti], o.blocks[bi], o.gen, same ? "yes" : "NO");
+                else
+                    printf("speed at synthetic acceptance tau %.2f, block %d: measured %.2f tokens/round over %d "
+                           "round(s); %.3f ms/token = %.1f tok/s vs plain %.1f tok/s (measured just before): %.2fx; "
+                           "tokens identical to plain: %s\n",
+                           o.taus[ti], o.blocks[bi], tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms,
+                           1000.0 / near_ms, near_ms / spec_ms, same ? "yes" : "NO");
                 cuda_stats_print(e, "  ");
                 df_gen_result_free(&res);
                 if (!same) goto out;
@@ -599,10 +677,11 @@ int df_cmd_bench(int argc, char **argv) {
                 sa.rng = 12345;
                 sp.phase_sync = 1;
                 if (df_generate_speculative(s, ds, prompt, o.ctx, &gp, &sp, NULL, NULL, &res, &err) != DF_OK) goto out;
-                const double nr = res.draft_rounds ? (double)res.draft_rounds : 1.0;
-                printf("  per round (phases awaited): drafter pass %.3f ms, verify pass %.3f ms, GDN settle %.3f ms, "
-                       "drafter context %.3f ms\n",
-                       res.draft_ms / nr, res.verify_ms / nr, res.settle_ms / nr, res.context_ms / nr);
+                const double nr = (double)res.draft_rounds;
+                if (res.draft_rounds > 0)
+                    printf("  per round (phases awaited): drafter pass %.3f ms, verify pass %.3f ms, GDN settle %.3f ms, "
+                           "drafter context %.3f ms\n",
+                           res.draft_ms / nr, res.verify_ms / nr, res.settle_ms / nr, res.context_ms / nr);
                 df_gen_result_free(&res);
             }
         }

@@ -160,15 +160,16 @@ static void settle_gdn(spec_ctx *c, int rows, int Bv) {
     }
 }
 
-/* Adds the wall time since *tp to phase k of ph and restarts the clock; with sp->phase_sync,
- * first waits for the device (a 4-byte read back). */
-static void phase_end(spec_ctx *c, const df_spec_params *sp, double *ph, int k, double *tp) {
+/* Adds the wall time since *tp to phase k of ph (when `round`: not for a plain step outside
+ * any round) and restarts the clock; with sp->phase_sync, first waits for the device (a 4-byte
+ * read back). */
+static void phase_end(spec_ctx *c, const df_spec_params *sp, double *ph, int k, double *tp, int round) {
     if (sp->phase_sync) {
         float v;
         c->s->be->ops->to_host(c->s->be, &v, c->dtaps, sizeof v);
     }
     const double t = df_now_ms();
-    ph[k] += t - *tp;
+    if (round) ph[k] += t - *tp;
     *tp = t;
 }
 
@@ -257,7 +258,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         } else {
             Bv = 1; /* one token left: a plain decode step */
         }
-        phase_end(&c, &sp, ph_ms, 0, &tp);
+        phase_end(&c, &sp, ph_ms, 0, &tp, Bv >= 2);
         /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
         s->gdn_redirect = Bv >= 2 ? &c.redirect : NULL;
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
@@ -265,13 +266,13 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         s->gdn_redirect = NULL;
         if (st != DF_OK) break;
         fetch_taps(&c);
-        phase_end(&c, &sp, ph_ms, 1, &tp);
+        phase_end(&c, &sp, ph_ms, 1, &tp, Bv >= 2);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
         /* keep the accepted rows 0..a: positions, and the GDN states */
         s->pos = p0 + a + 1;
         if (Bv >= 2) settle_gdn(&c, a + 1, Bv);
-        phase_end(&c, &sp, ph_ms, 2, &tp);
+        phase_end(&c, &sp, ph_ms, 2, &tp, Bv >= 2);
         if (Bv >= 2) {
             res->draft_rounds++;
             res->draft_n += Bv - 1;
@@ -285,7 +286,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         }
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
         st = df_draft_add_context(ds, c.feats, a + 1, p0, err);
-        phase_end(&c, &sp, ph_ms, 3, &tp);
+        phase_end(&c, &sp, ph_ms, 3, &tp, Bv >= 2);
         bonus = t[a];
         if (sp.adaptive && Bv >= 2) {
             if (a == Bv - 1) B = B + 2 <= sp.block_max ? B + 2 : sp.block_max;

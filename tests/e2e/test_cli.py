@@ -1,6 +1,7 @@
 """The command-line program: generate, tokenize, option handling."""
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -216,6 +217,24 @@ def test_bench_defaults_to_the_default_model():
     p = run_cli("bench", "--device", "cpu", "--ctx", "8", "--gen", "2", "--no-verify-curve", *model_args())
     assert p.returncode == 0, p.stderr
     assert "plain decode" in p.stdout
+
+
+def test_bench_checks_its_options():
+    """Malformed bench values exit 2 with a message naming the option; a run prints its rounds' phases."""
+    tiny = str(pathlib.Path(DRAFTER).parent / "tiny-bonsai2")
+    base = ["bench", "--device", "cpu", "--model", tiny, "--ctx", "8", "--gen", "12", "--repeats", "1",
+            "--no-verify-curve"]
+    bad = [["--drafter", DRAFTER, "--synthetic-acceptance", v] for v in ("1", "nan", "abc", "2x", "1e10")]
+    bad += [["--drafter", DRAFTER, "--synthetic-acceptance", "2", "--block", v] for v in ("", "4 8", "3.5", "4,,8", "17")]
+    bad += [["--synthetic-acceptance", "2.7"], ["--gen", "3"], ["--ctx", "x"]]
+    for args in bad:
+        p = run_cli(*base, *args)
+        assert p.returncode == 2, (args, p.stdout, p.stderr)
+        assert "dflash bench:" in p.stderr, (args, p.stderr)
+    p = run_cli(*base, "--drafter", DRAFTER, "--synthetic-acceptance", "2.7", "--block", "4")
+    assert p.returncode == 0, p.stderr
+    assert "tokens identical to plain: yes" in p.stdout
+    assert re.search(r"per round \(phases awaited\): drafter pass [0-9.]+ ms, verify pass [0-9.]+ ms", p.stdout)
 
 
 def test_negative_seed_is_taken_modulo_2_64():
