@@ -253,6 +253,7 @@ int cmd_generate(int argc, char **argv) {
         cli_error("generate", "%s", err.msg);
         goto done;
     }
+    if (no_draft) draft_quant = 0; /* the drafter is loaded (checked) but never runs: no need to quantize it */
     if (drafter_dir && (df_drafter_load(&drafter, drafter_dir, eng, &err) != DF_OK ||
                         (draft_quant && df_drafter_quantize(drafter, draft_quant, &err) != DF_OK) ||
                         df_draft_state_init(&ds, drafter, window, &err) != DF_OK)) {
