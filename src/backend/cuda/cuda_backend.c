@@ -1629,7 +1629,7 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
     const char *occ = getenv("DFLASH_CUDA_OCC"); /* experiments: 3 = a tighter register budget (spills) */
     dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
-    const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64, 128 positions per attention block */
+    const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64 (default), 128 positions per attention block */
     if (ach) dfk_set_attn_chunk(atoi(ach));
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);

@@ -1157,7 +1157,7 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
  * trees), unnormalised output o[d] = Σ_t p_t v_t[d] in position order.
  * part[m, h, c] = (o[0..hd), max, sum). */
 #define ATTN_MAX_G 16
-static int g_attn_chunk = DFK_ATTN_CHUNK;
+static int g_attn_chunk = 64; /* measured best at 1k context, within 8% of 128 at 32k (PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
     if (chunk == 32 || chunk == 64 || chunk == DFK_ATTN_CHUNK) g_attn_chunk = chunk;
 }
@@ -1266,38 +1266,61 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     }
 }
 
-/* One block per (head, row): chunks combined in order. */
-__global__ void k_attn_combine(const float *q, int qstride, int gated, int nh, int hd, int causal,
-                               const int32_t *pos0p, int M, int nchunk, int chunk, const float *part,
-                               float *out) {
+/* One block per (head, row, 32 output dims): 256 threads = 8 chunk groups x 32 dims. The
+ * maximum of the chunk maxima (exact in any order); the weights w_c = exp(m_c − max); the
+ * denominator Σ w_c·s_c (each thread its chunks c = tid, tid + 256, ... in order, an xor tree
+ * per warp, the 8 warp sums in order); per dim d, Σ w_c·o_c[d] over the chunks c ≡ g (mod 8) of
+ * group g in order, then the 8 group sums in order. The chunks are spread over the threads so
+ * that long contexts (hundreds of chunks) do not run one chunk at a time. */
+#define ATTN_WSM 1024
+__global__ void __launch_bounds__(256) k_attn_combine(const float *q, int qstride, int gated, int nh, int hd,
+                                                      int causal, const int32_t *pos0p, int M, int nchunk, int chunk,
+                                                      const float *part, float *out) {
     k_pdl_begin();
     const int pos0 = __ldcg(pos0p);
-    __shared__ float wsm[1024];
-    const int h = blockIdx.x, m = blockIdx.y;
+    __shared__ float wsm[ATTN_WSM];
+    __shared__ float red[8];
+    __shared__ float psum[8][32];
+    const int h = blockIdx.x, m = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int len = causal ? pos0 + m + 1 : pos0 + M;
     const int nc = (len + chunk - 1) / chunk;
-    const float *pr = part + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk * (size_t)(hd + 2);
+    const size_t st = (size_t)(hd + 2);
+    const float *pr = part + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)nchunk * st;
     float mx = -INFINITY;
-    for (int c = 0; c < nc; c++) mx = fmaxf(mx, __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]));
-    for (int c = threadIdx.x; c < nc && c < 1024; c += blockDim.x)
-        wsm[c] = expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
+    for (int c = tid; c < nc; c += 256) mx = fmaxf(mx, __ldcg(&pr[(size_t)c * st + (size_t)hd]));
+    for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+    if (lane == 0) red[warp] = mx;
     __syncthreads();
+    mx = red[0];
+    for (int k = 1; k < 8; k++) mx = fmaxf(mx, red[k]);
+    __syncthreads(); /* red is reused below */
     float l = 0.0f;
-    for (int c = 0; c < nc; c++) {
-        float w = c < 1024 ? wsm[c] : expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
-        l = l + w * __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd + 1]);
+    for (int c = tid; c < nc; c += 256) {
+        const float w = expf(__ldcg(&pr[(size_t)c * st + (size_t)hd]) - mx);
+        if (c < ATTN_WSM) wsm[c] = w;
+        l = l + w * __ldcg(&pr[(size_t)c * st + (size_t)hd + 1]);
     }
+    l = warp_sum(l);
+    if (lane == 0) red[warp] = l;
+    __syncthreads();
+    l = red[0];
+    for (int k = 1; k < 8; k++) l = l + red[k];
     const float inv = 1.0f / l;
-    const float *gate = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride + (size_t)hd;
-    float *o = out + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int c = 0; c < nc; c++) {
-            float w = c < 1024 ? wsm[c] : expf(__ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)hd]) - mx);
-            acc = acc + w * __ldcg(&pr[(size_t)c * (size_t)(hd + 2) + (size_t)d]);
+    const int d = (int)blockIdx.z * 32 + lane;
+    float acc = 0.0f;
+    if (d < hd)
+        for (int c = warp; c < nc; c += 8) {
+            const float w = c < ATTN_WSM ? wsm[c] : expf(__ldcg(&pr[(size_t)c * st + (size_t)hd]) - mx);
+            acc = acc + w * __ldcg(&pr[(size_t)c * st + (size_t)d]);
         }
-        float r = acc * inv;
-        o[d] = gated ? r * sigmoid_f(__ldcg(&gate[d])) : r;
+    psum[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && d < hd) {
+        float r = psum[0][lane];
+        for (int k = 1; k < 8; k++) r = r + psum[k][lane];
+        r = r * inv;
+        const float *gate = q + ((size_t)m * (size_t)nh + (size_t)h) * (size_t)qstride + (size_t)hd;
+        out[((size_t)m * (size_t)nh + (size_t)h) * (size_t)hd + (size_t)d] = gated ? r * sigmoid_f(__ldcg(&gate[d])) : r;
     }
 }
 
@@ -1322,8 +1345,8 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
         st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
                       pos0, M, nchunk, g_attn_chunk, part);
     if (st) return st;
-    dim3 g2((unsigned)nh, (unsigned)M);
-    return launch_k(k_attn_combine, g2, dim3(128), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk,
+    dim3 g2((unsigned)nh, (unsigned)M, (unsigned)((hd + 31) / 32));
+    return launch_k(k_attn_combine, g2, dim3(256), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk,
                     g_attn_chunk, part, out);
 }
 

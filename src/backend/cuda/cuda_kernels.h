@@ -247,9 +247,10 @@ typedef struct dfk_gdn_job {
  * the two calls. -1 for an unsupported shape. */
 int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps, int M);
 
-/* The attention chunk (positions per block of dfk_attention): 32, 64 or DFK_ATTN_CHUNK (other
- * values are ignored). Set once per process, before any attention: the chunk is part of the
- * arithmetic (the same for every row and every M, so never of batch invariance). */
+/* The attention chunk (positions per block of dfk_attention): 32, 64 (default) or
+ * DFK_ATTN_CHUNK (other values are ignored). Set once per process, before any attention: the
+ * chunk is part of the arithmetic (the same for every row and every M, so never of batch
+ * invariance). */
 void dfk_set_attn_chunk(int chunk);
 int dfk_attn_chunk(void);
 
