@@ -767,7 +767,11 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
  * cp.async, QS − 1 steps ahead, across the ends of units and linears. A lane copies its own
  * code words and scale/bias pair of a step and reads back only those: its own
  * cp.async.wait_group is the only synchronization the ring needs. The per-step work is kept to
- * pointer increments (the decode is bound by instruction issue as much as by memory). */
+ * pointer increments (the decode is bound by instruction issue as much as by memory). The
+ * CTA's warps stay in step: one contiguous run of units per CTA, a CTA barrier in each unit's
+ * K-slice sum and one copy of the input per CTA. Variants that let them drift apart (units
+ * taken from a counter, units interleaved over CTAs, K-slice sums by the last warp to arrive,
+ * per-warp input copies) all measured slower (docs/PERFORMANCE.md). */
 
 template <int BYTES>
 static __device__ __forceinline__ void cp_async(uint32_t saddr, const void *gmem) {
