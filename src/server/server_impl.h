@@ -45,6 +45,7 @@ typedef struct df_metrics {
     uint64_t speculative, plain, errors, cancelled;
     double last_tps;       /* decode tok/s of the last generation */
     double gen_seconds;    /* generation wall time, summed */
+    double draft_seconds, verify_seconds; /* speculative rounds: drafter and verify passes, summed */
     double avg_job_s;      /* running mean of a job's time (for Retry-After) */
 } df_metrics;
 

@@ -546,6 +546,8 @@ void df_job_log_end(df_job *j, int status) {
     m->draft_rounds += (uint64_t)j->draft_rounds;
     m->draft_n += (uint64_t)j->draft_n;
     m->draft_accepted += (uint64_t)j->draft_accepted;
+    m->draft_seconds += j->draft_ms / 1000.0;
+    m->verify_seconds += j->verify_ms / 1000.0;
     if (j->speculative) m->speculative++;
     else m->plain++;
     if (status >= 400 && status != 499) m->errors++;

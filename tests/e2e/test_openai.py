@@ -495,6 +495,8 @@ def test_metrics(server):
     assert after["dflash_draft_tokens_total"] - before["dflash_draft_tokens_total"] == t["draft_n"]
     assert after["dflash_draft_tokens_accepted_total"] - before["dflash_draft_tokens_accepted_total"] == \
         t["draft_n_accepted"]
+    for name, ms in (("dflash_draft_seconds_total", t["draft_ms"]), ("dflash_verify_seconds_total", t["verify_ms"])):
+        assert abs((after[name] - before[name]) - ms / 1000.0) < 1e-6, name
     assert after["dflash_tokens_per_second"] > 0
     assert after["dflash_queue_depth"] == 0 and after["dflash_model_loaded"] == 1
 

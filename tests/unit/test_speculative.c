@@ -133,6 +133,12 @@ static void test_exact_all_patterns(void **state) {
                 if (k == 0) assert_true(got.draft_n - got.draft_n_accepted < B);
                 if (k == 1) assert_int_equal(got.draft_n_accepted, 0);
                 if (k == 2 && B > 2 && got.draft_rounds > 1) assert_true(got.draft_n_accepted > 0);
+                /* the rounds' phase times: non-negative, within the decode time, zero without a round */
+                const double ph = got.draft_ms + got.verify_ms + got.settle_ms + got.context_ms;
+                assert_true(got.draft_ms >= 0 && got.verify_ms >= 0 && got.settle_ms >= 0 && got.context_ms >= 0);
+                assert_true(ph <= got.decode_ms + 1e-6);
+                if (got.draft_rounds == 0) assert_true(ph == 0.0);
+                else assert_true(got.verify_ms > 0);
                 rounds += got.draft_rounds;
                 drafted += got.draft_n;
                 accepted += got.draft_n_accepted;
