@@ -853,6 +853,36 @@ static void gdn_case(int nk, int nv, int dk, int dv) {
     assert_memory_equal(SA, SB, ssz * 4);
     gpu_ok(be, "gdn");
     gdn_states_check(be, &sh, dqkv, dz, da, db, conv_w, dt, nw, cs0, S0);
+    /* conv + recurrence as one kernel (default) == as two, bit for bit: outputs and both states */
+    for (int M = 1; M <= R; M += 5) {
+        float *o2 = malloc((size_t)M * Vd * 4), *S2 = malloc(ssz * 4), *cs2 = malloc((size_t)3 * C * 4);
+        for (int f = 0; f < 2; f++) {
+            df_backend_cuda_set_gdn_fused(be, f == 0);
+            be->ops->to_device(be, f ? dcsB : dcsA, cs0, (size_t)3 * C * 4);
+            be->ops->to_device(be, f ? dSB : dSA, S0, ssz * 4);
+            be->ops->gdn(be, &sh, dqkv, dz, da, db, conv_w, A_log, dt, nw, M, f ? dcsB : dcsA, f ? dSB : dSA, doa);
+            dget(be, f ? o2 : oa, doa, (size_t)M * Vd * 4);
+        }
+        df_backend_cuda_set_gdn_fused(be, 1);
+        assert_memory_equal(oa, o2, (size_t)M * Vd * 4);
+        dget(be, SA, dSA, ssz * 4);
+        dget(be, S2, dSB, ssz * 4);
+        assert_memory_equal(SA, S2, ssz * 4);
+        dget(be, csA, dcsA, (size_t)3 * C * 4);
+        dget(be, cs2, dcsB, (size_t)3 * C * 4);
+        assert_memory_equal(csA, cs2, (size_t)3 * C * 4);
+        free(o2);
+        free(S2);
+        free(cs2);
+    }
+    printf("gdn (dk %d): conv + recurrence in one kernel == two kernels, M = 1, 6, 11, 16\n", dk);
+    /* the CPU reference below is compared with the default kernels from the first rows of oa/SA */
+    be->ops->to_device(be, dcsA, cs0, (size_t)3 * C * 4);
+    be->ops->to_device(be, dSA, S0, ssz * 4);
+    be->ops->gdn(be, &sh, dqkv, dz, da, db, conv_w, A_log, dt, nw, R, dcsA, dSA, doa);
+    dget(be, oa, doa, (size_t)R * Vd * 4);
+    dget(be, SA, dSA, ssz * 4);
+    dget(be, csA, dcsA, (size_t)3 * C * 4);
     /* CPU reference */
     float *cs = malloc((size_t)3 * C * 4), *S = malloc(ssz * 4), *oc = malloc((size_t)R * Vd * 4);
     memcpy(cs, cs0, (size_t)3 * C * 4);

@@ -1342,10 +1342,15 @@ typedef struct a_gdn {
     gdn_dims d;
 } a_gdn;
 
+static int g_gdn_fused = 1; /* DFLASH_CUDA_GDN_FUSED=0: conv and recurrence as two kernels */
+
 static int run_gdn(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn *g = args;
     const gdn_dims *d = &g->d;
+    if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv)
+        return dfk_gdn_fused(g->qkv, g->cw, d->K, g->conv_in, g->conv_state, g->z, g->a, g->b, g->al, g->dt, g->nw,
+                             d->nk, d->nv, d->dk, d->dv, d->eps, d->M, g->S_in, g->S, g->out);
     int st = dfk_gdn_conv(g->qkv, g->cw, d->C, d->K, d->M, g->conv_in, g->conv_state, g->conv_out);
     if (st) return st;
     return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, d->nk, d->nv, d->dk, d->dv, d->eps,
@@ -1629,6 +1634,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_use_dec(dec && strcmp(dec, "1") == 0);
     const char *occ = getenv("DFLASH_CUDA_OCC"); /* experiments: 3 = a tighter register budget (spills) */
     dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
+    const char *gf = getenv("DFLASH_CUDA_GDN_FUSED");
+    g_gdn_fused = !(gf && strcmp(gf, "0") == 0);
     const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64 (default), 128 positions per attention block */
     if (ach) dfk_set_attn_chunk(atoi(ach));
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
@@ -1665,6 +1672,13 @@ void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st) {
 }
 
 void df_backend_cuda_reset_peak(df_backend *be) { cub(be)->peak = cub(be)->cur; }
+
+void df_backend_cuda_set_gdn_fused(df_backend *be, int on) {
+    cuda_backend *cb = cub(be);
+    step_run(cb); /* commands already recorded run as they were recorded */
+    g_gdn_fused = on ? 1 : 0;
+    for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) graph_free(&cb->graphs[i]); /* captured with the other kernels */
+}
 
 void df_backend_cuda_sync(df_backend *be) {
     step_run(cub(be));

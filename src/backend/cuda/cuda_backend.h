@@ -60,6 +60,10 @@ void df_backend_cuda_reset_peak(df_backend *be);
 /* Runs the recorded ops and waits for all device work (for timing). */
 void df_backend_cuda_sync(df_backend *be);
 
+/* 1 (default): the GDN conv and recurrence in one kernel; 0: two (DFLASH_CUDA_GDN_FUSED=0).
+ * The same bits either way (tests compare them); process-wide, set between steps. */
+void df_backend_cuda_set_gdn_fused(df_backend *be, int on);
+
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per
  * second, GB/s). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */
 df_status df_cuda_copy_bandwidth(size_t bytes, double *gbps, df_error *err);

@@ -1379,42 +1379,63 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 
 #define GDN_MAX_K 16
 
+/* The causal depthwise conv + SiLU of channel ch for rows m0 .. m0 + n − 1 (n <= 16), the
+ * window win [K − 1] (the channel's state, advanced here) and weights wk [K] in registers;
+ * row r's output to out[r · ostride]. The arithmetic of every conv kernel here. */
+template <int KM>
+static __device__ __forceinline__ void gdn_conv_rows(const float *qkv, int C, int K, int ch, int m0, int n,
+                                                     float (&win)[KM], const float (&wk)[KM], float *out,
+                                                     size_t ostride) {
+    float xr[16]; /* the inputs of the rows, loaded together */
+#pragma unroll
+    for (int r = 0; r < 16; r++) xr[r] = r < n ? __ldcg(&qkv[(size_t)(m0 + r) * (size_t)C + (size_t)ch]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < 16; r++) {
+        if (r >= n) break;
+        const float xin = xr[r];
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KM; j++) {
+            if (j < K - 1) s = s + wk[j] * win[j];
+            else if (j == K - 1) s = s + wk[j] * xin;
+        }
+        out[(size_t)r * ostride] = silu_f(s);
+#pragma unroll
+        for (int j = 0; j < KM - 1; j++)
+            if (j < K - 1) win[j] = (j + 1 < K - 1) ? win[j + 1] : xin;
+    }
+}
+
+/* Channel ch's conv window and weights into registers. */
+template <int KM>
+static __device__ __forceinline__ void gdn_conv_load(const float *w, int C, int K, int ch, const float *state_in,
+                                                     float (&win)[KM], float (&wk)[KM]) {
+#pragma unroll
+    for (int j = 0; j < KM; j++) {
+        win[j] = (j < K - 1) ? __ldcg(&state_in[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
+        wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
+    }
+}
+
+/* Channel ch's advanced window back to the state. */
+template <int KM>
+static __device__ __forceinline__ void gdn_conv_store(int C, int K, int ch, const float (&win)[KM], float *state) {
+#pragma unroll
+    for (int j = 0; j < KM; j++)
+        if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
+}
+
 /* The conv of channel block blockIdx.x (k_gdn_conv, k_gdn_conv_multi). */
 static __device__ __forceinline__ void gdn_conv_block(const float *qkv, const float *w, int C, int K, int M,
                                                       const float *state_in, float *state, float *out) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
-    float win[GDN_MAX_K];
-    float wk[GDN_MAX_K];
-#pragma unroll
-    for (int j = 0; j < GDN_MAX_K; j++) {
-        win[j] = (j < K - 1) ? __ldcg(&state_in[(size_t)j * (size_t)C + (size_t)ch]) : 0.0f;
-        wk[j] = (j < K) ? w[(size_t)ch * (size_t)K + (size_t)j] : 0.0f;
-    }
-    float xr[16]; /* the inputs of 16 rows at a time, loaded together */
-    for (int m = 0; m < M; m++) {
-        if (m % 16 == 0) {
-#pragma unroll
-            for (int r = 0; r < 16; r++) xr[r] = m + r < M ? __ldcg(&qkv[(size_t)(m + r) * (size_t)C + (size_t)ch]) : 0.0f;
-        }
-        float xin = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 16; r++)
-            if (r == m % 16) xin = xr[r];
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < GDN_MAX_K; j++) {
-            if (j < K - 1) s = s + wk[j] * win[j];
-            else if (j == K - 1) s = s + wk[j] * xin;
-        }
-        out[(size_t)m * (size_t)C + (size_t)ch] = silu_f(s);
-#pragma unroll
-        for (int j = 0; j < GDN_MAX_K - 1; j++)
-            if (j < K - 1) win[j] = (j + 1 < K - 1) ? win[j + 1] : xin;
-    }
-#pragma unroll
-    for (int j = 0; j < GDN_MAX_K; j++)
-        if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
+    float win[GDN_MAX_K], wk[GDN_MAX_K];
+    gdn_conv_load(w, C, K, ch, state_in, win, wk);
+    for (int m0 = 0; m0 < M; m0 += 16)
+        gdn_conv_rows(qkv, C, K, ch, m0, M - m0 < 16 ? M - m0 : 16, win, wk, out + (size_t)m0 * (size_t)C + (size_t)ch,
+                      (size_t)C);
+    gdn_conv_store(C, K, ch, win, state);
 }
 
 __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M, const float *state_in, float *state,
@@ -1455,11 +1476,19 @@ static size_t gdn_rec_smem(int dk, int dv) {
  * state; then per row, in order: decay, m = Sᵀk (4 partial sums added in order), d = (v − m)·β,
  * S += k ⊗ d, o = Sᵀq (same); last, a warp per row, the gated RMSNorm of o. Each row's
  * arithmetic is the same whatever M: two block barriers per row. */
-template <int SPT>
+/* The conv of a fused recurrence block (FUSED of gdn_rec_block): the projections qkv [M, C],
+ * conv weights, kernel size, the state to read and the one to write. */
+struct gdn_fconv {
+    const float *qkv, *w, *state_in;
+    float *state;
+    int K;
+};
+
+template <int SPT, bool FUSED, int KMC = GDN_MAX_K>
 static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
                                                      const float *b, const float *A_log, const float *dt_bias,
                                                      const float *norm_w, int nk, int nv, int dv, float eps, int M,
-                                                     const float *S_in, float *S, float *out) {
+                                                     const float *S_in, float *S, float *out, const gdn_fconv &fc) {
     constexpr int DK = 4 * SPT, PL = (DK + 31) / 32;
     extern __shared__ float gsm[];
     float *qs = gsm;                 /* [GDN_RB][DK] */
@@ -1469,6 +1498,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     float *part2 = part + 4 * dv;    /* [4][dv] */
     float *bet = part2 + 4 * dv;     /* [GDN_RB] */
     float *dec = bet + GDN_RB;       /* [GDN_RB] */
+    float *cbuf = dec + GDN_RB;      /* FUSED: [GDN_RB][2·DK + dv], this head's conv outputs */
     const int j = blockIdx.x, kh = j / (nv / nk);
     const int tid = threadIdx.x, v = tid % dv, grp = tid / dv, lane = tid & 31, warp = tid >> 5;
     const int nwarps = (int)(blockDim.x >> 5);
@@ -1481,16 +1511,32 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     const float qscale = 1.0f / sqrtf((float)DK);
     const float A = -expf(A_log[j]);
     const float dtb = dt_bias[j];
+    /* FUSED: thread t < 2·DK + dv convolves one of the head's channels (its q, k, then v
+     * channels), with the arithmetic of k_gdn_conv */
+    const int nch = 2 * DK + dv;
+    const int cch = tid < DK ? kh * DK + tid : (tid < 2 * DK ? Kd + kh * DK + (tid - DK) : 2 * Kd + j * dv + (tid - 2 * DK));
+    float cwin[KMC], cwk[KMC];
+    if constexpr (FUSED)
+        if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
     for (int m0 = 0; m0 < M; m0 += GDN_RB) {
         const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
+        if constexpr (FUSED) {
+            if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
+            __syncthreads();
+        }
         for (int r = warp; r < nb; r += nwarps) {
-            const float *row = conv_out + (size_t)(m0 + r) * (size_t)C;
+            const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
             for (int i = 0; i < PL; i++) {
                 const int e = lane + 32 * i;
-                qv[i] = e < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
-                kv[i] = e < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)e]) : 0.0f;
+                if constexpr (FUSED) {
+                    qv[i] = e < DK ? cbuf[r * nch + e] : 0.0f;
+                    kv[i] = e < DK ? cbuf[r * nch + DK + e] : 0.0f;
+                } else {
+                    qv[i] = e < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
+                    kv[i] = e < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)e]) : 0.0f;
+                }
             }
 #pragma unroll
             for (int i = 0; i < PL; i++) {
@@ -1512,11 +1558,12 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
         }
         __syncthreads();
-        const float *vcol = conv_out + 2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v;
-        float vin_n = __ldcg(&vcol[(size_t)m0 * (size_t)C]);
+        const float *vcol = FUSED ? NULL : conv_out + 2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v;
+        float vin_n = FUSED ? cbuf[2 * DK + v] : __ldcg(&vcol[(size_t)m0 * (size_t)C]);
         for (int r = 0; r < nb; r++) {
             const float vin = vin_n;
-            if (r + 1 < nb) vin_n = __ldcg(&vcol[(size_t)(m0 + r + 1) * (size_t)C]);
+            if (r + 1 < nb)
+                vin_n = FUSED ? cbuf[(r + 1) * nch + 2 * DK + v] : __ldcg(&vcol[(size_t)(m0 + r + 1) * (size_t)C]);
             const float decay = dec[r], beta = bet[r];
             const float *kr = ks + r * DK + grp * SPT, *qr = qs + r * DK + grp * SPT;
             float mp = 0.0f;
@@ -1556,6 +1603,10 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     }
 #pragma unroll
     for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
+    /* FUSED: the advanced conv states; a q/k channel is shared by the nv/nk heads of its key
+     * head (all compute the same window), the first of them writes it */
+    if constexpr (FUSED)
+        if (tid < nch && (tid >= 2 * DK || j % (nv / nk) == 0)) gdn_conv_store(C, fc.K, cch, cwin, fc.state);
 }
 
 template <int SPT>
@@ -1564,7 +1615,21 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
                                                  int nv, int dv, float eps, int M, const float *S_in, float *S,
                                                  float *out) {
     k_pdl_begin();
-    gdn_rec_block<SPT>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
+    const gdn_fconv fc = {};
+    gdn_rec_block<SPT, false>(conv_out, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc);
+}
+
+/* The conv and the recurrence in one kernel: block j convolves its head's q, k and v channels
+ * into shared memory (same bits as k_gdn_conv), then runs k_gdn_rec's recurrence on them. */
+template <int SPT, int KMC>
+__global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in,
+                                                   float *conv_state, const float *z, const float *a, const float *b,
+                                                   const float *A_log, const float *dt_bias, const float *norm_w,
+                                                   int nk, int nv, int dv, float eps, int M, const float *S_in,
+                                                   float *S, float *out) {
+    k_pdl_begin();
+    const gdn_fconv fc = {qkv, conv_w, conv_in, conv_state, K};
+    gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc);
 }
 
 /* Layer blockIdx.y of a job table: its recurrence, states only, in place. */
@@ -1573,7 +1638,9 @@ __global__ void __launch_bounds__(512) k_gdn_rec_multi(const dfk_gdn_job *jobs, 
                                                        int M) {
     k_pdl_begin();
     const dfk_gdn_job &J = jobs[blockIdx.y];
-    gdn_rec_block<SPT>(J.conv_out, J.z, J.a, J.b, J.A_log, J.dt_bias, J.norm_w, nk, nv, dv, eps, M, J.S, J.S, NULL);
+    const gdn_fconv fc = {};
+    gdn_rec_block<SPT, false>(J.conv_out, J.z, J.a, J.b, J.A_log, J.dt_bias, J.norm_w, nk, nv, dv, eps, M, J.S, J.S, NULL,
+                              fc);
 }
 
 extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, const float *b,
@@ -1600,6 +1667,42 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
         return -1;
     }
     return st;
+}
+
+/* k_gdn_fused for key head dim dk (32, 64, 128) with conv windows of KMC registers. */
+template <int KMC>
+static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, const float *conv_w, int K,
+                            const float *conv_in, float *conv_state, const float *z, const float *a, const float *b,
+                            const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv, int dv,
+                            float eps, int M, const float *S_in, float *S, float *out) {
+    void (*kern)(const float *, const float *, int, const float *, float *, const float *, const float *,
+                 const float *, const float *, const float *, const float *, int, int, int, float, int, const float *,
+                 float *, float *) = dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
+    if (dk != 32 && dk != 64 && dk != 128) return -1;
+    static bool attr[3];
+    const int ai = dk == 32 ? 0 : (dk == 64 ? 1 : 2);
+    if (!attr[ai]) {
+        if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024) != cudaSuccess)
+            return (int)cudaGetLastError();
+        attr[ai] = true;
+    }
+    return launch_k(kern, dim3((unsigned)nv), dim3((unsigned)threads), smem, qkv, conv_w, K, conv_in, conv_state, z,
+                    a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
+}
+
+extern "C" int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
+                             const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
+                             const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in,
+                             float *S, float *out) {
+    const int threads = 4 * dv;
+    if (K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads ||
+        nv % nk != 0 || 2 * dk + dv > threads)
+        return -1;
+    const size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
+    return K <= 4 ? gdn_fused_launch<4>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b, A_log,
+                                          dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out)
+                  : gdn_fused_launch<GDN_MAX_K>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b,
+                                                A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
 }
 
 extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps,

@@ -236,6 +236,14 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
                        const float *dt_bias, const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M,
                        const float *S_in, float *S, float *out);
 
+/* dfk_gdn_conv then dfk_gdn_recurrence in one kernel (block j convolves its head's q, k and v
+ * channels into shared memory: the same bits as the two calls); no conv_out scratch. -1 for
+ * an unsupported shape (also when 2·dk + dv exceeds 4·dv). */
+int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
+                  const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
+                  const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in, float *S,
+                  float *out);
+
 /* One layer of dfk_gdn_multi (device pointers; conv_out: [M, C] scratch of its own). */
 typedef struct dfk_gdn_job {
     const float *qkv, *z, *a, *b, *conv_w, *A_log, *dt_bias, *norm_w;
