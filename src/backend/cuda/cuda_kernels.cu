@@ -78,23 +78,11 @@ static __device__ __forceinline__ void k_pdl_begin(void) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
-/* kernel<<<grid, block, smem, g_stream>>>(args), with the programmatic stream serialization
- * attribute when PDL is on (dfk_set_pdl). */
+/* kernel<<<grid, block, smem>>>(args) on g_stream, with PDL when it is on for every kernel
+ * (dfk_set_pdl 1). */
 template <typename... KArgs, typename... Args>
 static int launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = g_stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = dfk_pdl_on() == 1 ? 1 : 0;
-    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-    if (e != cudaSuccess) return (int)e;
-    return launch_status();
+    return dfk_launch(kernel, grid, block, smem, dfk_pdl_on() == 1, args...);
 }
 
 extern "C" void dfk_set_stream(void *stream) { g_stream = (cudaStream_t)stream; }

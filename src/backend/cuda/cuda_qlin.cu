@@ -49,24 +49,10 @@ static int g_pdl = 1;
 extern "C" void dfk_set_pdl(int on) { g_pdl = on == 2 ? 2 : (on ? 1 : 0); }
 extern "C" int dfk_pdl_on(void) { return g_pdl; }
 
-/* Launches kernel<<<grid, block, smem>>> on the backend stream, with the programmatic
- * stream serialization attribute when PDL is on (the kernels below call pdl_wait before they
- * read anything an earlier kernel wrote). */
+/* kernel<<<grid, block, smem>>> with PDL unless it is off (dfk_set_pdl; 2: these kernels only). */
 template <typename... KArgs, typename... Args>
 static int launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = (cudaStream_t)dfk_get_stream();
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = g_pdl ? 1 : 0; /* 2: these kernels only (dfk_set_pdl) */
-    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-    if (e != cudaSuccess) return (int)e;
-    return (int)cudaGetLastError();
+    return dfk_launch(kernel, grid, block, smem, g_pdl != 0, args...);
 }
 
 /* ---- weight repacking -------------------------------------------------------------------------

@@ -6,6 +6,29 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include "backend/cuda/cuda_kernels.h"
+
+/* Launches kernel<<<grid, block, smem>>> on the launchers' stream (dfk_get_stream), with the
+ * programmatic stream serialization attribute when pdl is set: the next kernel may then be
+ * scheduled early and must wait (griddepcontrol.wait) before reading what earlier kernels
+ * wrote. Returns 0 or the CUDA error. */
+template <typename... KArgs, typename... Args>
+static int dfk_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, int pdl, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = (cudaStream_t)dfk_get_stream();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (e != cudaSuccess) return (int)e;
+    return (int)cudaGetLastError();
+}
+
 /* silu(x) = x / (1 + e^-x), float32. */
 static __device__ __forceinline__ float dfk_silu(float x) { return x / (1.0f + expf(-x)); }
 
