@@ -22,7 +22,7 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 
-static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_cpu;
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_cp, *g_cpu;
 static char g_skip[700];
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
@@ -68,6 +68,10 @@ static int setup(void **state) {
         setenv("DFLASH_CUDA_QCTAS", "7", 1);
         if (df_backend_cuda_create(&g_gpu_persist, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_QCTAS");
+        /* the ring fed per lane (cp.async) instead of by bulk copies */
+        setenv("DFLASH_CUDA_QBULK", "0", 1);
+        if (df_backend_cuda_create(&g_gpu_cp, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QBULK");
     }
 #else
     snprintf(g_skip, sizeof g_skip, "this build has no CUDA backend");
@@ -80,8 +84,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_cpu};
-    for (int i = 0; i < 6; i++)
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_cp, g_cpu};
+    for (int i = 0; i < 7; i++)
         if (bs[i]) bs[i]->ops->destroy(bs[i]);
     return 0;
 }
@@ -353,12 +357,16 @@ static void test_linear(void **state) {
         /* the register kernel and the persistent ring: same bits */
         float *yreg = linear_rows_exact(g_gpu_reg, &q.L, x, cases[c].name);
         float *ype = linear_rows_exact(g_gpu_persist, &q.L, x, cases[c].name);
+        float *ycp = linear_rows_exact(g_gpu_cp, &q.L, x, cases[c].name);
         if (memcmp(y, yreg, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: the ring kernel and the register kernel differ", cases[c].name);
         if (memcmp(y, ype, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: the ring kernel on 7 CTAs differs", cases[c].name);
+        if (memcmp(y, ycp, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: the ring fed by bulk copies and the ring fed per lane differ", cases[c].name);
         free(yreg);
         free(ype);
+        free(ycp);
         /* CPU reference and the CUDA-core path */
         float *ycpu = malloc((size_t)R * (size_t)rows * 4);
         g_cpu->ops->linear(g_cpu, &q.L, x, R, ycpu);
@@ -1062,6 +1070,7 @@ static void test_fused(void **state) {
     NEED_GPU();
     fused_case(g_gpu, "default kernels");
     fused_case(g_gpu_persist, "ring kernel on 7 CTAs");
+    fused_case(g_gpu_cp, "ring fed per lane");
 }
 
 int main(void) {

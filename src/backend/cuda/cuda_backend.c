@@ -80,7 +80,10 @@ typedef struct cuda_backend {
     int force_simple;
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
-    int q_ring, q_ctas, q_ring_max_m; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS, _QRING_MAXM) */
+    int dense_first;        /* dense linears of a group launched before its fixed-point ones (DFLASH_CUDA_DENSE_FIRST) */
+    char profile_skip[256]; /* DFLASH_CUDA_PROFILE_SKIP: commands not run (timing experiments only) */
+    int q_ring, q_ctas, q_ring_max_m, q_bulk; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS,
+                                                 _QRING_MAXM, _QBULK) */
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
     struct cmd *cmds;
@@ -403,7 +406,7 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
             ok = e->d_s != NULL;
         }
         if (ok) {
-            int st = q ? dfk_repack_q(t_w, t_s, t_b, rows, cols, L->bits, L->group_size, e->d_w, e->d_s)
+            int st = q ? dfk_repack_q(t_w, t_s, t_b, rows, cols, L->bits, L->group_size, e->KW, e->d_w, e->d_s)
                        : e->mode == DFK_MMA_BF16
                              ? dfk_repack_bf16(t_w, rows, cols, e->d_w)
                              : dfk_repack_quant(t_w, t_s, t_b, rows, cols, L->bits, L->group_size, e->d_w, e->d_s);
@@ -542,6 +545,19 @@ static void graph_free(gentry *g) {
     memset(g, 0, sizeof *g);
 }
 
+/* 1 when name is one of the comma-separated names of list. */
+static int skip_listed(const char *list, const char *name) {
+    const size_t n = strlen(name);
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        const size_t k = e ? (size_t)(e - p) : strlen(p);
+        if (k == n && strncmp(p, name, n) == 0) return 1;
+        if (!e) break;
+        p = e + 1;
+    }
+    return 0;
+}
+
 static int run_cmds(cuda_backend *cb) {
     int st = 0;
     dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
@@ -549,6 +565,7 @@ static int run_cmds(cuda_backend *cb) {
         st = (int)cudaMemcpyAsync(cb->dparams, cb->hparams, cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
                                   cb->stream);
     for (size_t i = 0; i < cb->n_cmds && st == 0; i++) {
+        if (cb->profile_skip[0] && skip_listed(cb->profile_skip, cb->cmds[i].what)) continue;
         st = cb->cmds[i].fn(cb, cb->cmds[i].args);
         if (st) {
             if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", cb->cmds[i].what);
@@ -1080,6 +1097,23 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         p.n = k ? k : 1; /* k == 0: only v is written (output 0 without xq) */
         record(cb, run_qprep, "linear prep", &p, sizeof p);
     }
+    /* dense 16-bit linears in one launch, before the fixed-point ones: their short kernel then
+     * runs while the fixed-point launch's first weights stream in (programmatic dependent
+     * launch), instead of after it (decode: 0.27 ms per token in kernels of a few µs) */
+    a_dlin d;
+    memset(&d, 0, sizeof d);
+    d.M = mm;
+    for (int i = 0; i < n; i++) {
+        if (es[i]->mode != LIN_DENSE || add) continue;
+        dfk_dlin *l = &d.l[d.n++];
+        l->w = es[i]->d_w;
+        l->wdtype = wdtype_code(Ws[i]->wdtype);
+        l->rows = Ws[i]->rows;
+        l->cols = cols;
+        l->x = v;
+        l->y = ys[i];
+    }
+    if (d.n && cb->dense_first) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
     /* the fixed-point linears, one launch per format, in order */
     int k = 0;
     for (int i = 0; i < n;) {
@@ -1096,6 +1130,7 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         q.sched.TR = dfk_linear_q_max_tr(mm);
         q.sched.ring = cb->q_ring;
         q.sched.ring_max_m = cb->q_ring_max_m;
+        q.sched.bulk = cb->q_bulk;
         q.sched.ctas = cb->q_ctas;
         for (int j = i; j < n && q.n < DFK_QMAX; j++) {
             if (es[j]->mode != LIN_Q) continue;
@@ -1119,31 +1154,19 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         }
         record(cb, run_qlin, "linear", &q, sizeof q);
     }
-    /* dense 16-bit linears in one launch; any other format unfused */
-    a_dlin d;
-    memset(&d, 0, sizeof d);
-    d.M = mm;
+    /* any other format unfused */
     for (int i = 0; i < n; i++) {
-        if (es[i]->mode == LIN_DENSE && !add) {
-            dfk_dlin *l = &d.l[d.n++];
-            l->w = es[i]->d_w;
-            l->wdtype = wdtype_code(Ws[i]->wdtype);
-            l->rows = Ws[i]->rows;
-            l->cols = cols;
-            l->x = v;
-            l->y = ys[i];
-        } else if (es[i]->mode != LIN_Q) {
-            if (add) {
-                if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)Ws[i]->rows, sizeof(float)))
-                    return;
-                cu_linear(&cb->base, Ws[i], v, mm, cb->lbuf);
-                cu_add(&cb->base, ys[i], cb->lbuf, (size_t)mm * (size_t)Ws[i]->rows);
-            } else {
-                cu_linear(&cb->base, Ws[i], v, mm, ys[i]);
-            }
+        if ((es[i]->mode == LIN_DENSE && !add) || es[i]->mode == LIN_Q) continue;
+        if (add) {
+            if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)Ws[i]->rows, sizeof(float)))
+                return;
+            cu_linear(&cb->base, Ws[i], v, mm, cb->lbuf);
+            cu_add(&cb->base, ys[i], cb->lbuf, (size_t)mm * (size_t)Ws[i]->rows);
+        } else {
+            cu_linear(&cb->base, Ws[i], v, mm, ys[i]);
         }
     }
-    if (d.n) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
+    if (d.n && !cb->dense_first) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
 }
 
 /* backend.h `linears`: RMSNorm (optional) + several linears of the same input. */
@@ -1617,6 +1640,17 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
      * either) */
     const char *qring = getenv("DFLASH_CUDA_QRING");
     cb->q_ring = qring && strcmp(qring, "0") == 0 ? 0 : 1;
+    /* DFLASH_CUDA_QBULK=0: the ring kernel's records copied per lane (cp.async) instead of by
+     * bulk copies (the same bits) */
+    const char *qbk = getenv("DFLASH_CUDA_QBULK");
+    cb->q_bulk = qbk && strcmp(qbk, "0") == 0 ? 0 : 1;
+    /* DFLASH_CUDA_PROFILE_SKIP=name,name: commands (by their names: "linear prep", "gdn", ...)
+     * that are recorded but not run, to time the rest of a step in place. The results are
+     * wrong: for timing experiments only. */
+    const char *dfirst = getenv("DFLASH_CUDA_DENSE_FIRST"); /* 0: after them (the same bits) */
+    cb->dense_first = !(dfirst && strcmp(dfirst, "0") == 0);
+    const char *pskip = getenv("DFLASH_CUDA_PROFILE_SKIP");
+    snprintf(cb->profile_skip, sizeof cb->profile_skip, "%s", pskip ? pskip : "");
     const char *qrm = getenv("DFLASH_CUDA_QRING_MAXM");
     cb->q_ring_max_m = qrm ? atoi(qrm) : 0;
     const char *qct = getenv("DFLASH_CUDA_QCTAS"); /* persistent grid size (tests: many units per CTA) */

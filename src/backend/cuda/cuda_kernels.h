@@ -118,10 +118,11 @@ int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, i
 size_t dfk_q_code_words(int rows, int cols, int bits, int gs);
 
 /* Repacks MLX codes (uint32 [rows, cols·bits/32]) and 16-bit scales/biases [rows, cols/gs] into
- * the m16n8k32 fragment layout of dfk_linear_q (rows padded to 16 with zeros). bits 2, 4, 8;
- * gs 64, 128. */
+ * the m16n8k32 fragment layout of dfk_linear_q (rows padded to 16 with zeros), a tile's groups
+ * stored K-slice by K-slice for KW slices (the KW that dfk_linear_q is then given for this
+ * weight). bits 2, 4, 8; gs 64, 128; KW 1, 2, 4, 8 and <= cols/gs. */
 int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols, int bits,
-                 int gs, uint32_t *codes, uint32_t *sb);
+                 int gs, int KW, uint32_t *codes, uint32_t *sb);
 
 /* One linear of dfk_linear_q: y[M, rows] (+)= W · x' from the prepared input (xq, xe, xsx of
  * dfk_qprep with this linear's rotation and gs). KW: K-slices (1, 2, 4, 8), from the weight's
@@ -138,10 +139,12 @@ typedef struct dfk_qlin {
  * into registers, TR 16-row tiles per warp (capped at dfk_linear_q_max_tr(M)), one CTA per
  * work unit (k_lin_q); 1 = one tile per warp, each warp streaming its steps through a ring in
  * shared memory filled by cp.async, on a persistent grid of `ctas` CTAs (0: as many as fit on
- * the device at once) (k_lin_qr). */
+ * the device at once) (k_lin_qr, or k_lin_qb with bulk). */
 typedef struct dfk_qsched {
     int TR, ring, ctas;
     int ring_max_m; /* > 0: the ring kernel only up to this many rows, k_lin_q above */
+    int bulk;       /* ring: 1 = each warp's records streamed by bulk copies (k_lin_qb) where the
+                       prepared input fits in shared memory, 0 = per-lane cp.async (k_lin_qr) */
 } dfk_qsched;
 
 /* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one

@@ -58,17 +58,45 @@ static int launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
 /* ---- weight repacking -------------------------------------------------------------------------
  *
  * Layout: per (16-row tile, group, lane (g, t)) WPL = (gs/32)·bits/2 words, stored as NVEC
- * vectors of VEC words: word index (((tile·ng + group)·NVEC + v)·32 + lane)·VEC + e holds lane
+ * vectors of VEC words: word index (((tile·ng + rec)·NVEC + v)·32 + lane)·VEC + e holds lane
  * word wi = v·VEC + e. With RPW = 8/bits A registers per word, word wi covers k-block
  * kb = wi / (4/RPW) and registers j = (wi % (4/RPW))·RPW + q (q < RPW) at bit offset bits·q;
  * byte i of register j is at bits 8i + bits·q. Register j of lane (g, t) in k-block kb is the
  * m16n8k32 A fragment: row g + 8·(j & 1), columns 4t + i + 16·(j >> 1) of the 32-column block.
  * Scales and biases: one word (scale | bias << 16) per (tile, group, row), rows g and g + 8
- * adjacent: index ((tile·ng + group)·8 + g)·2 + half. */
+ * adjacent: index ((tile·ng + rec)·8 + g)·2 + half.
+ *
+ * Record order (rec above): a tile's (tile, group) records are stored K-slice by K-slice
+ * (slice kw holds the groups kw, kw + KW, kw + 2·KW, ...; KW = 2^kwl, from the weight's shape),
+ * so that the steps one warp streams are one contiguous run: group grp is record
+ * q_rec_of_group(grp) of its tile.
+ */
+static __host__ __device__ __forceinline__ int q_rec_of_group(int grp, int ng, int kwl) {
+    const int KW = 1 << kwl, base = ng >> kwl, rem = ng & (KW - 1), kw = grp & (KW - 1);
+    return kw * base + (kw < rem ? kw : rem) + (grp >> kwl);
+}
+
+/* The group stored at record position pos of a tile (the inverse of q_rec_of_group). */
+static __device__ __forceinline__ int q_group_of_rec(int pos, int ng, int kwl) {
+    const int base = ng >> kwl, rem = ng & ((1 << kwl) - 1);
+    int kw, j;
+    if (pos < rem * (base + 1)) {
+        kw = pos / (base + 1);
+        j = pos % (base + 1);
+    } else {
+        const int p2 = pos - rem * (base + 1);
+        kw = rem + p2 / base;
+        j = p2 % base;
+    }
+    return kw + (j << kwl);
+}
+
+/* log2 of a K-slice count (1, 2, 4, 8). */
+static __host__ __device__ __forceinline__ int q_kwl(int KW) { return KW >= 8 ? 3 : (KW >= 4 ? 2 : (KW >= 2 ? 1 : 0)); }
 
 __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__restrict__ scales,
                            const uint16_t *__restrict__ biases, int rows, int cols, int bits, int gs, int tiles,
-                           uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
+                           int kwl, uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
     const int ng = cols / gs, kbg = gs / 32, wpl = kbg * bits / 2, vec = wpl < 4 ? wpl : 4, nvec = wpl / vec;
     const int rpw = 8 / bits;
     const size_t nwords = (size_t)tiles * (size_t)ng * 32 * (size_t)wpl;
@@ -82,7 +110,7 @@ __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__r
         r /= 32;
         const int v = (int)(r % (size_t)nvec);
         r /= (size_t)nvec;
-        const int group = (int)(r % (size_t)ng);
+        const int group = q_group_of_rec((int)(r % (size_t)ng), ng, kwl);
         const int tile = (int)(r / (size_t)ng);
         const int wi = v * vec + e, kb = wi / (4 / rpw), jw = wi % (4 / rpw);
         const int g = lane >> 2, t = lane & 3;
@@ -104,7 +132,7 @@ __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__r
     if (idx < nsb) {
         const int half = (int)(idx % 2), g = (int)((idx / 2) % 8);
         const size_t tg = idx / 16;
-        const int group = (int)(tg % (size_t)ng), tile = (int)(tg / (size_t)ng);
+        const int group = q_group_of_rec((int)(tg % (size_t)ng), ng, kwl), tile = (int)(tg / (size_t)ng);
         const int row = tile * 16 + g + 8 * half;
         uint32_t o = 0;
         if (row < rows) {
@@ -120,13 +148,15 @@ extern "C" size_t dfk_q_code_words(int rows, int cols, int bits, int gs) {
 }
 
 extern "C" int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols,
-                            int bits, int gs, uint32_t *codes, uint32_t *sb) {
-    if ((bits != 2 && bits != 4 && bits != 8) || (gs != 64 && gs != 128) || cols % gs != 0)
+                            int bits, int gs, int KW, uint32_t *codes, uint32_t *sb) {
+    if ((bits != 2 && bits != 4 && bits != 8) || (gs != 64 && gs != 128) || cols % gs != 0 ||
+        (KW != 1 && KW != 2 && KW != 4 && KW != 8) || KW > cols / gs)
         return (int)cudaErrorInvalidValue;
     const int tiles = (rows + 15) / 16, ng = cols / gs;
     const size_t nwords = dfk_q_code_words(rows, cols, bits, gs), nsb = (size_t)tiles * (size_t)ng * 16;
     const size_t n = nwords > nsb ? nwords : nsb;
-    k_repack_q<<<(unsigned)((n + 255) / 256), 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, codes, sb);
+    k_repack_q<<<(unsigned)((n + 255) / 256), 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, q_kwl(KW), codes,
+                                                      sb);
     return (int)cudaGetLastError();
 }
 
@@ -417,7 +447,8 @@ struct qlaunch {
     int ring;     /* the kernel: 0 = k_lin_q, 1 = k_lin_qr (persistent) */
     int ctas;     /* k_lin_qr: CTAs (0: as many as fit) */
     int kwl[DFK_QMAX]; /* log2 of each linear's KW */
-    int ring_off; /* k_lin_qr: byte offset of the rings in dynamic shared memory */
+    int ring_off; /* k_lin_qr, k_lin_qb: byte offset of the rings in dynamic shared memory */
+    int bulk;     /* 1: k_lin_qb where the input copy fits (dfk_qsched.bulk) */
 };
 
 template <int VEC>
@@ -485,7 +516,7 @@ static __device__ __forceinline__ void q_prefetch_unit(const dfk_qlin &L, int ti
         const int tr = i / (ngw * (LINES + 1)), r = i % (ngw * (LINES + 1));
         const int gi = r / (LINES + 1), ln = r % (LINES + 1);
         if (tile0 + tr >= tiles) continue;
-        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)(kw + gi * KW);
+        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)(q_rec_of_group(kw, ng, q_kwl(KW)) + gi);
         const void *ptr = ln < LINES ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
                                      : (const void *)(L.sb + tg * 16);
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
@@ -504,7 +535,7 @@ static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0
 #pragma unroll
         for (int tr = 0; tr < TR; tr++) {
             if (grp < ng && tvalid[tr]) {
-                const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+                const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)q_rec_of_group(grp, ng, q_kwl(KW));
 #pragma unroll
                 for (int v = 0; v < NVEC; v++)
                     q_load_words<VEC>(L.codes + ((tg * NVEC + (size_t)v) * 32 + (size_t)lane) * VEC,
@@ -534,7 +565,7 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
         for (int k = 0; k < TR; k++)
             if (k == tr) v = tvalid[k];
         if (!v) continue;
-        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)grp;
+        const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)q_rec_of_group(grp, ng, q_kwl(KW));
         const void *ptr = ln < WPL ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
                                    : (const void *)(L.sb + tg * 16);
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
@@ -801,12 +832,12 @@ static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int 
         const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
         const int nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
         if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
-        const size_t tg = (size_t)tile * (size_t)ng + (size_t)kw;
+        const size_t tg = (size_t)tile * (size_t)ng + (size_t)q_rec_of_group(kw, ng, kwl);
         c.codes = reinterpret_cast<const char *>(L.codes + (tg * C::NVEC * 32 + (size_t)lane) * C::VEC);
         c.sb = reinterpret_cast<const char *>(L.sb + (tg * 8 + (size_t)g) * 2);
         c.left = nj;
-        c.step_c = (unsigned)(KW * C::WPL * 128);
-        c.step_s = (unsigned)(KW * 64);
+        c.step_c = (unsigned)(C::WPL * 128); /* the warp's records are contiguous */
+        c.step_s = 64u;
         break;
     }
     c.u = u;
@@ -1090,6 +1121,270 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     cp_async_wait<0>();
 }
 
+/* ---- the bulk-copy variant: a warp's run of records through the tensor memory accelerator ---
+ *
+ * Same units, K-slices and arithmetic as k_lin_q and k_lin_qr (q_mma_group, q_finish: the same
+ * bits). A warp's steps of a unit are one contiguous run of records (record order above); lane
+ * 0 copies them, up to QB_C records at a time, with cp.async.bulk into a ring of QB_NS stages
+ * in shared memory, one mbarrier per stage (the copy's byte count completes it); the lanes only
+ * wait on the stage's barrier and read their own words. The prepared input is copied into
+ * shared memory once per linear, its 2^E and S·2^E interleaved, with a zero record that the
+ * lanes of data rows >= M read instead: a step's loads take no conditions. What a step issues
+ * is the fragment and code loads, the code unpacking, the MMAs and the epilogue. */
+
+/* The ring: records per bulk copy (one stage), stages per warp, and resident CTAs per SM asked
+ * of the compiler (measured on the H200, M = 1: 2 records x 4 stages at 3 CTAs per SM 165.3 /
+ * 168.9 tok/s; 4 x 3 at 2 CTAs 165.0 / 163.8; 2 x 6 at 2 CTAs 157.4 / 156.0; the per-lane
+ * ring 162.4 / 161.1). */
+#define QB_C 2
+#define QB_NS 4
+#define QB_MINB 3
+
+template <int WPL>
+struct qbulk {
+    static constexpr int CB = WPL * 128;           /* code bytes of a record (32 lanes x WPL words) */
+    static constexpr int STAGE = QB_C * (CB + 64); /* QB_C records' codes, then their 64-byte sb rows */
+    static constexpr int RING = QB_NS * STAGE;     /* per warp */
+    static constexpr int BYTES = 8 * RING + 8 * QB_NS * 8; /* 8 warps' rings, then their mbarriers */
+};
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect(uint32_t bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* bytes (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
+ * completing on mbarrier bar. */
+static __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+/* Lane 0's copy cursor: the next records of the warp's runs over the CTA's units [.., u_end). */
+struct qb_cur {
+    const char *codes, *sb;
+    int left, u, di;
+};
+
+/* Points the cursor at the run of unit u (or of the first later unit where this warp has
+ * records; c.u == u_end: none left). Units only move forward, so di is where the search starts. */
+template <int BITS, int GS>
+static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int u_end, int di, int warp, qb_cur &c) {
+    constexpr int WPL = qcfg<BITS, GS, 1, 1>::WPL;
+    for (; u < u_end; u++) {
+        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        const dfk_qlin &L = P.d[di];
+        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
+        const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        const int nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
+        if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
+        const size_t tg = (size_t)tile * (size_t)ng + (size_t)q_rec_of_group(kw, ng, kwl);
+        c.codes = reinterpret_cast<const char *>(L.codes + tg * (size_t)(WPL * 32));
+        c.sb = reinterpret_cast<const char *>(L.sb + tg * 16);
+        c.left = nj;
+        break;
+    }
+    c.u = u;
+    c.di = di;
+}
+
+/* Lane 0: the cursor's next (up to QB_C) records into the stage at shared address stage, on its
+ * barrier bar; advances the cursor. Nothing when no record is left. */
+template <int BITS, int GS>
+static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int warp, uint32_t stage, uint32_t bar,
+                                                qb_cur &c) {
+    typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL> B;
+    if (c.u >= u_end) return;
+    const int n = c.left < QB_C ? c.left : QB_C;
+    mbar_expect(bar, (unsigned)(n * (B::CB + 64)));
+    bulk_copy(stage, c.codes, (unsigned)(n * B::CB), bar);
+    bulk_copy(stage + (uint32_t)(QB_C * B::CB), c.sb, (unsigned)(n * 64), bar);
+    c.codes += n * B::CB;
+    c.sb += n * 64;
+    c.left -= n;
+    if (c.left == 0) qb_cur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, c);
+}
+
+/* The prepared input of linear L in shared memory at qsm (once per linear: staged holds the key
+ * of the linear whose copy is there): the planes of the M rows, then (2^E, S·2^E) pairs per
+ * (row, group). Every thread of the CTA calls it. */
+static __device__ __forceinline__ void qb_stage_input(const dfk_qlin &L, int M, int gs, unsigned char *qsm, int key,
+                                                      int &staged) {
+    if (staged == key) return;
+    const int ng = L.cols / gs;
+    const int nq = M * 2 * L.cols / 16, ne = M * ng;
+    __syncthreads(); /* the previous linear's copy may still be read */
+    const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
+    uint4 *sq = reinterpret_cast<uint4 *>(qsm);
+    for (int i = threadIdx.x; i < nq; i += 256) sq[i] = __ldcg(gq + i);
+    float2 *se = reinterpret_cast<float2 *>(qsm + (size_t)nq * 16);
+    for (int i = threadIdx.x; i < ne; i += 256) se[i] = make_float2(__ldcg(L.xe + i), __ldcg(L.xsx + i));
+    __syncthreads();
+    staged = key;
+}
+
+/* Step r of a ring stage (stp: the stage; C records per stage): this lane's B fragments and
+ * (2^E, S·2^E) at byte offsets ba, ea of qsm (advanced by bst, est), its code words and its
+ * scale/bias pair. Plain loads: they stay after the stage's barrier wait (whose asm clobbers
+ * memory), and the compiler may move them ahead of an earlier step's MMAs. */
+template <int BITS, int GS, int NT>
+static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, const unsigned char *stp, int r, int C,
+                                                    int lane, int g, uint32_t (&ba)[NT], uint32_t (&ea)[NT],
+                                                    const uint32_t (&bst)[NT], const uint32_t (&est)[NT],
+                                                    uint32_t (&bq)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&e)[NT],
+                                                    float (&sx)[NT], uint32_t (&w)[qcfg<BITS, GS, NT, 1>::WPL],
+                                                    uint2 &sbv) {
+    typedef qcfg<BITS, GS, NT, 1> Q;
+    constexpr int KBG = Q::KBG, VEC = Q::VEC, NVEC = Q::NVEC, CB = Q::WPL * 128;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const uint4 *bp = reinterpret_cast<const uint4 *>(qsm + ba[nt]);
+#pragma unroll
+        for (int k = 0; k < KBG / 2; k++) {
+            const uint4 v = bp[k];
+            bq[nt][2 * k][0] = v.x;
+            bq[nt][2 * k][1] = v.y;
+            bq[nt][2 * k + 1][0] = v.z;
+            bq[nt][2 * k + 1][1] = v.w;
+        }
+        const float2 es = *reinterpret_cast<const float2 *>(qsm + ea[nt]);
+        e[nt] = es.x;
+        sx[nt] = es.y;
+        ba[nt] += bst[nt];
+        ea[nt] += est[nt];
+    }
+#pragma unroll
+    for (int v = 0; v < NVEC; v++) {
+        const unsigned char *a = stp + r * CB + (v * 32 + lane) * VEC * 4;
+        if constexpr (VEC == 4) {
+            const uint4 q = *reinterpret_cast<const uint4 *>(a);
+            w[v * 4] = q.x;
+            w[v * 4 + (VEC > 1 ? 1 : 0)] = q.y;
+            w[v * 4 + (VEC > 2 ? 2 : 0)] = q.z;
+            w[v * 4 + (VEC > 3 ? 3 : 0)] = q.w;
+        } else if constexpr (VEC == 2) {
+            const uint2 q = *reinterpret_cast<const uint2 *>(a);
+            w[v * 2] = q.x;
+            w[v * 2 + (VEC > 1 ? 1 : 0)] = q.y;
+        } else {
+            w[v] = *reinterpret_cast<const uint32_t *>(a);
+        }
+    }
+    sbv = *reinterpret_cast<const uint2 *>(stp + C * CB + r * 64 + g * 8);
+}
+
+/* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
+ * then at P.ring_off the rings and barriers (qbulk::BYTES). */
+template <int BITS, int GS, int NT, int SBF>
+__global__ void __launch_bounds__(256, QB_MINB) k_lin_qb(const __grid_constant__ qlaunch P) {
+    typedef qcfg<BITS, GS, NT, 1> C;
+    typedef qbulk<C::WPL> B;
+    constexpr int KBG = C::KBG, WPL = C::WPL;
+    __shared__ float red[8][NT * 2][32];
+    extern __shared__ __align__(128) unsigned char qsm[];
+    pdl_trigger();
+    const int U = P.start[P.n], G = (int)gridDim.x, cta = (int)blockIdx.x;
+    const int u_begin = (int)(((long long)cta * U) / G), u_end = (int)(((long long)(cta + 1) * U) / G);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(qsm);
+    const uint32_t ring0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(warp * B::RING);
+    const uint32_t bar0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(8 * B::RING) + (uint32_t)(warp * QB_NS * 8);
+    const uint32_t zero = (uint32_t)P.ring_off - 64u; /* byte offset in qsm */
+    if (threadIdx.x < 16) reinterpret_cast<uint32_t *>(qsm + P.ring_off - 64)[threadIdx.x] = 0u;
+    if (lane == 0) {
+        for (int s = 0; s < QB_NS; s++) mbar_init(bar0 + (uint32_t)(8 * s), 1u);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    /* the first stages' copies, issued before waiting for the previous kernel (weights do not
+     * depend on it) */
+    qb_cur cur;
+    if (lane == 0) {
+        qb_cur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, cur);
+        for (int s = 0; s < QB_NS; s++)
+            qb_issue<BITS, GS>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur);
+    }
+    pdl_wait();
+    int staged = -1, di = 0, stage = 0;
+    unsigned parity = 0;
+    const int M = P.M;
+    for (int u = u_begin; u < u_end; u++) {
+        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        const dfk_qlin &L = P.d[di];
+        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS, tiles = (L.rows + 15) / 16;
+        const int tile0 = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        const bool tvalid[1] = {tile0 < tiles};
+        const int nj = (tvalid[0] && kw < ng) ? (ng - kw + KW - 1) >> kwl : 0;
+        qb_stage_input(L, M, GS, qsm, di, staged);
+        /* this lane's fragment addresses at group kw and their steps per record (0 for data
+         * rows >= M: the zero record) */
+        const uint32_t es0 = (uint32_t)(M * 2 * L.cols);
+        uint32_t ba[NT], ea[NT], bst[NT], est[NT]; /* byte offsets in qsm */
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t;
+            ba[nt] = m < M ? (uint32_t)((((m * 2 + p) * ng + kw) * 4 + t) * (KBG / 2) * 16) : zero;
+            bst[nt] = m < M ? (uint32_t)(KW * 4 * (KBG / 2) * 16) : 0u;
+            ea[nt] = mt < M ? es0 + (uint32_t)((mt * ng + kw) * 8) : zero;
+            est[nt] = mt < M ? (uint32_t)(KW * 8) : 0u;
+        }
+        float yv[1][NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) yv[0][nt][0] = yv[0][nt][1] = 0.0f;
+#pragma unroll 1
+        for (int j = 0; j < nj; j += QB_C) {
+            const int n = nj - j < QB_C ? nj - j : QB_C;
+            const uint32_t st = ring0 + (uint32_t)(stage * B::STAGE), bar = bar0 + (uint32_t)(8 * stage);
+            mbar_wait(bar, parity);
+            const unsigned char *stp = qsm + (st - smem0);
+            if (n == QB_C) {
+                /* a full stage: every step's loads first, then the groups in order (the MMA
+                 * chains of different steps overlap; the sums into yv keep their order) */
+                uint32_t bq[QB_C][NT][KBG][2], w[QB_C][1][WPL];
+                float e[QB_C][NT], sx[QB_C][NT];
+                uint2 sbv[QB_C][1];
+#pragma unroll
+                for (int r = 0; r < QB_C; r++)
+                    qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq[r], e[r], sx[r], w[r][0],
+                                               sbv[r][0]);
+#pragma unroll
+                for (int r = 0; r < QB_C; r++) q_mma_group<BITS, GS, NT, 1>(w[r], sbv[r], bq[r], e[r], sx[r], SBF, yv);
+            } else {
+#pragma unroll 1
+                for (int r = 0; r < n; r++) {
+                    uint32_t bq[NT][KBG][2], w[1][WPL];
+                    float e[NT], sx[NT];
+                    uint2 sbv[1];
+                    qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq, e, sx, w[0], sbv[0]);
+                    q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
+                }
+            }
+            /* the stage is read: lane 0 refills it with the run's next records */
+            __syncwarp();
+            if (lane == 0) {
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                qb_issue<BITS, GS>(P, u_end, warp, st, bar, cur);
+            }
+            if (++stage == QB_NS) {
+                stage = 0;
+                parity ^= 1u;
+            }
+        }
+        q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
+    }
+}
+
 template <int BITS, int GS, int NT, int TR>
 static int launch_q(const qlaunch &P, unsigned blocks);
 
@@ -1155,11 +1450,47 @@ static int q_occupancy(K kern, size_t smem, q_occ &c) {
     return c.per;
 }
 
+/* CTAs of a persistent grid over `units` work units: P.ctas, or per_sm on every SM, lowered so
+ * that every CTA runs ceil(units/G) or one unit fewer. */
+static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
+    unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * per_sm);
+    if (blocks > units) blocks = units;
+    const unsigned per = (units + blocks - 1) / blocks;
+    return (units + per - 1) / per;
+}
+
+/* k_lin_qb on a persistent grid (q_grid), when the input copy fits in shared memory beside the
+ * rings; returns 0 (and launches nothing) when it does not. */
+template <int BITS, int GS, int NT>
+static int launch_qb(qlaunch P, unsigned units, int *st) {
+    typedef qbulk<qcfg<BITS, GS, NT, 1>::WPL> B;
+    size_t in = 0;
+    for (int i = 0; i < P.n; i++) {
+        const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
+        if (b > in) in = b;
+    }
+    in = (in + 127) & ~(size_t)127;
+    const size_t smem = in + 128 + B::BYTES; /* the zero record in the last 64 bytes before the rings */
+    if (smem > QR_SMEM_MAX) return 0;
+    P.ring_off = (int)(in + 128);
+    void (*kern)(qlaunch) = P.sb_bf16 ? k_lin_qb<BITS, GS, NT, 1> : k_lin_qb<BITS, GS, NT, 0>;
+    static q_occ occ[2];
+    const int per_sm = q_occupancy(kern, smem, occ[P.sb_bf16 ? 1 : 0]);
+    *st = launch_pdl(kern, dim3(q_grid(P, units, per_sm)), dim3(256), smem, P);
+    return 1;
+}
+
 /* k_lin_qr on a persistent grid: G CTAs (P.ctas, or as many as fit on the device at once,
  * lowered so that every CTA runs ceil(U/G) or one unit fewer); the input copy in shared
  * memory when it fits beside the rings. */
 template <int BITS, int GS, int NT>
 static int launch_qr(qlaunch P, unsigned units) {
+    if constexpr (NT == 1) { /* M <= 4 */
+        int st = 0;
+        if (P.bulk && g_qsmem) {
+            if (launch_qb<BITS, GS, NT>(P, units, &st)) return st;
+        }
+    }
     constexpr int MINB = NT == 1 ? 3 : (NT == 2 ? 2 : 1);
     typedef qring<qcfg<BITS, GS, NT, 1>::WPL> R;
     size_t in = 0;
@@ -1175,11 +1506,7 @@ static int launch_qr(qlaunch P, unsigned units) {
                                       : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 0> : k_lin_qr<BITS, GS, NT, MINB, false, 0>);
     static q_occ occ[4];
     const int per_sm = q_occupancy(kern, smem, occ[(smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0)]);
-    unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * per_sm);
-    if (blocks > units) blocks = units;
-    const unsigned per = (units + blocks - 1) / blocks;
-    blocks = (units + per - 1) / per;
-    return launch_pdl(kern, dim3(blocks), dim3(256), smem, P);
+    return launch_pdl(kern, dim3(q_grid(P, units, per_sm)), dim3(256), smem, P);
 }
 
 template <int BITS, int GS, int NT>
@@ -1221,6 +1548,7 @@ extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sch
     P.prefetch = g_q_prefetch;
     P.ring = ring;
     P.ctas = sched.ctas;
+    P.bulk = sched.bulk;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
