@@ -444,6 +444,7 @@ int df_cmd_bench(int argc, char **argv) {
     if (o.ctx < 1) return usage_error("%s", "--ctx must be >= 1");
     if (o.gen < 2) return usage_error("%s", "--gen must be >= 2");
     if (o.repeats < 1) return usage_error("%s", "--repeats must be >= 1");
+    if (o.threads < 0 || o.threads > 4096) return usage_error("%s", "--threads must lie within 0..4096 (0: all CPUs)");
     if (strcmp(o.device, "cuda") != 0 && strcmp(o.device, "cpu") != 0)
         return usage_error("--device must be cuda or cpu (got %s)", o.device);
     for (int i = 0; i < o.n_blocks; i++)

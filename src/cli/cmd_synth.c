@@ -53,7 +53,15 @@ int df_cmd_synth(int argc, char **argv) {
         else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) o.tokenizer_dir = argv[++i];
         else if (!strcmp(argv[i], "--no-drafter")) o.drafter = 0;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) o.seed = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) o.n_threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+            char *end = NULL;
+            const long t = strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end || t < 0 || t > 4096) {
+                fprintf(stderr, "dflash synth: --threads takes an integer within 0..4096 (got '%s')\n", argv[i]);
+                return usage();
+            }
+            o.n_threads = (int)t;
+        }
         else if (!strcmp(argv[i], "--help")) {
             fputs(SYNTH_HELP, stdout);
             return 0;

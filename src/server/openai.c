@@ -607,15 +607,20 @@ static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
                 return df_api_error_set(e, 400, INVALID, "array_above_max_length", "prompt",
                                         "Invalid 'prompt': at most %d prompts per request, but got %zu.",
                                         DF_API_MAX_PROMPTS, n);
+            /* a list of strings or a list of id lists, as the first item says (not both) */
+            const int lists = json_is_array(first);
             size_t i;
             json_t *x;
             json_array_foreach(p, i, x) {
                 char param[32];
                 snprintf(param, sizeof param, "prompt[%zu]", i);
-                if (json_is_array(x)) {
+                if (lists && json_is_array(x)) {
                     if (check_ids(x, param, vocab, e)) return -1;
+                } else if (lists) {
+                    return type_error(e, param, "an array of token ids (as prompt[0])", x);
                 } else if (!json_is_string(x)) {
-                    return type_error(e, param, "a string or an array of token ids", x);
+                    return type_error(e, param, i == 0 ? "a string or an array of token ids" : "a string (as prompt[0])",
+                                      x);
                 }
                 req->prompts[req->n_prompts++] = x;
             }

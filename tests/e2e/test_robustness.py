@@ -211,6 +211,8 @@ COMPLETIONS_MALFORMED = [
     ("prompt id out of range", {"prompt": [1, 2, 10 ** 9]}, "invalid_value", "prompt[2]"),
     ("prompt ids mixed", {"prompt": [1, "a"]}, "invalid_type", "prompt[1]"),
     ("prompt list with a number", {"prompt": ["a", 5]}, "invalid_type", "prompt[1]"),
+    ("prompt strings then ids", {"prompt": ["a", [1, 2]]}, "invalid_type", "prompt[1]"),
+    ("prompt ids then a string", {"prompt": [[1, 2], "a"]}, "invalid_type", "prompt[1]"),
     ("too many prompts", {"prompt": ["a"] * 65}, "array_above_max_length", "prompt"),
     ("logprobs a bool", {"prompt": "a", "logprobs": True}, "invalid_type", "logprobs"),
     ("logprobs too many", {"prompt": "a", "logprobs": 21}, "invalid_value", "logprobs"),

@@ -1657,6 +1657,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->q_ctas = qct && atoi(qct) > 0 ? atoi(qct) : 0;
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");
     dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
+    const char *qsmx = getenv("DFLASH_CUDA_QSMEM_MAX"); /* bytes of input copy per CTA at most */
+    if (qsmx && atol(qsmx) >= 0) dfk_set_qsmem_max((size_t)atol(qsmx));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");
     cb->target_ctas = ctas && atoi(ctas) > 0 ? atoi(ctas) : 1056; /* about 4 waves of 2 CTAs per SM */
     struct cudaDeviceProp prop;

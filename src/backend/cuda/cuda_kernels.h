@@ -170,6 +170,9 @@ void dfk_set_q_persistent(int on);
 void dfk_set_q_prefetch(int on);
 /* 1: dfk_linear_q copies the prepared input into shared memory when it fits (default). */
 void dfk_set_qsmem(int on);
+/* The ring kernels copy the prepared input into shared memory only up to this many bytes
+ * (above: B fragments read through L2); default: whenever it fits. The same bits either way. */
+void dfk_set_qsmem_max(size_t bytes);
 /* 1: launch the linears' and preparations' kernels (cuda_qlin.cu) and the attention and Gated
  * DeltaNet kernels with programmatic dependent launch (default); 2: the first group only (an
  * experiment); 0: none. */

@@ -1389,7 +1389,9 @@ template <int BITS, int GS, int NT, int TR>
 static int launch_q(const qlaunch &P, unsigned blocks);
 
 static int g_qsmem = 1;
+static size_t g_qsmem_max = (size_t)-1;
 extern "C" void dfk_set_qsmem(int on) { g_qsmem = on ? 1 : 0; }
+extern "C" void dfk_set_qsmem_max(size_t bytes) { g_qsmem_max = bytes; }
 
 /* Shared copies of the prepared input up to this size (two CTAs per SM still fit). */
 #define Q_SMEM_MAX (100 * 1024)
@@ -1471,7 +1473,7 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     }
     in = (in + 127) & ~(size_t)127;
     const size_t smem = in + 128 + B::BYTES; /* the zero record in the last 64 bytes before the rings */
-    if (smem > QR_SMEM_MAX) return 0;
+    if (smem > QR_SMEM_MAX || in > g_qsmem_max) return 0;
     P.ring_off = (int)(in + 128);
     void (*kern)(qlaunch) = P.sb_bf16 ? k_lin_qb<BITS, GS, NT, 1> : k_lin_qb<BITS, GS, NT, 0>;
     static q_occ occ[2];
@@ -1499,7 +1501,7 @@ static int launch_qr(qlaunch P, unsigned units) {
         if (b > in) in = b;
     }
     in = (in + 15) & ~(size_t)15;
-    const bool smb = g_qsmem && in + R::BYTES <= QR_SMEM_MAX;
+    const bool smb = g_qsmem && in + R::BYTES <= QR_SMEM_MAX && in <= g_qsmem_max;
     P.ring_off = smb ? (int)in : 0;
     const size_t smem = (smb ? in : 0) + R::BYTES;
     void (*kern)(qlaunch) = P.sb_bf16 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 1> : k_lin_qr<BITS, GS, NT, MINB, false, 1>)
