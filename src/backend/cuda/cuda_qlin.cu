@@ -819,29 +819,41 @@ struct q_icur {
     unsigned step_c, step_s;
 };
 
+/* The first unit u' in [u, u_end) in which this warp has steps (u_end: none): the linear di of
+ * unit u' (units only move forward, so di is where the search starts), the warp's first record
+ * tg (tile·ng + record position of its K-slice) and its number of steps nj. */
+template <int GS>
+static __device__ __forceinline__ int q_next_run(const qlaunch &P, int u, int u_end, int &di, int warp, size_t &tg,
+                                                 int &nj) {
+    for (; u < u_end; u++) {
+        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        const dfk_qlin &L = P.d[di];
+        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
+        const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
+        if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
+        tg = (size_t)tile * (size_t)ng + (size_t)q_rec_of_group(kw, ng, kwl);
+        break;
+    }
+    return u;
+}
+
 /* Points the cursor at the first step of unit u (or of the first later unit with steps for
  * this warp; c.u == u_end: none left). di: the linear of unit u (units only move forward). */
 template <int BITS, int GS>
 static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int u_end, int di, int warp, int lane,
                                                    int g, q_icur &c) {
     typedef qcfg<BITS, GS, 1, 1> C;
-    for (; u < u_end; u++) {
-        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
-        const dfk_qlin &L = P.d[di];
-        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
-        const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
-        const int nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
-        if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
-        const size_t tg = (size_t)tile * (size_t)ng + (size_t)q_rec_of_group(kw, ng, kwl);
-        c.codes = reinterpret_cast<const char *>(L.codes + (tg * C::NVEC * 32 + (size_t)lane) * C::VEC);
-        c.sb = reinterpret_cast<const char *>(L.sb + (tg * 8 + (size_t)g) * 2);
-        c.left = nj;
-        c.step_c = (unsigned)(C::WPL * 128); /* the warp's records are contiguous */
-        c.step_s = 64u;
-        break;
-    }
-    c.u = u;
+    size_t tg = 0;
+    int nj = 0;
+    c.u = q_next_run<GS>(P, u, u_end, di, warp, tg, nj);
     c.di = di;
+    if (c.u >= u_end) return;
+    c.codes = reinterpret_cast<const char *>(P.d[di].codes + (tg * C::NVEC * 32 + (size_t)lane) * C::VEC);
+    c.sb = reinterpret_cast<const char *>(P.d[di].sb + (tg * 8 + (size_t)g) * 2);
+    c.left = nj;
+    c.step_c = (unsigned)(C::WPL * 128); /* the warp's records are contiguous */
+    c.step_s = 64u;
 }
 
 /* Issues the copies of the cursor's step into the ring slot at shared address saddr and
@@ -1178,25 +1190,18 @@ struct qb_cur {
 };
 
 /* Points the cursor at the run of unit u (or of the first later unit where this warp has
- * records; c.u == u_end: none left). Units only move forward, so di is where the search starts. */
+ * records; c.u == u_end: none left). */
 template <int BITS, int GS>
 static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int u_end, int di, int warp, qb_cur &c) {
     constexpr int WPL = qcfg<BITS, GS, 1, 1>::WPL;
-    for (; u < u_end; u++) {
-        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
-        const dfk_qlin &L = P.d[di];
-        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS;
-        const int tile = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
-        const int nj = kw < ng ? (ng - kw + KW - 1) >> kwl : 0;
-        if (tile >= (L.rows + 15) / 16 || nj == 0) continue;
-        const size_t tg = (size_t)tile * (size_t)ng + (size_t)q_rec_of_group(kw, ng, kwl);
-        c.codes = reinterpret_cast<const char *>(L.codes + tg * (size_t)(WPL * 32));
-        c.sb = reinterpret_cast<const char *>(L.sb + tg * 16);
-        c.left = nj;
-        break;
-    }
-    c.u = u;
+    size_t tg = 0;
+    int nj = 0;
+    c.u = q_next_run<GS>(P, u, u_end, di, warp, tg, nj);
     c.di = di;
+    if (c.u >= u_end) return;
+    c.codes = reinterpret_cast<const char *>(P.d[di].codes + tg * (size_t)(WPL * 32));
+    c.sb = reinterpret_cast<const char *>(P.d[di].sb + tg * 16);
+    c.left = nj;
 }
 
 /* Lane 0: the cursor's next (up to QB_C) records into the stage at shared address stage, on its
