@@ -3,7 +3,9 @@
  * Run one mode per process so that the peak RSS belongs to that mode.
  *
  *   bench_spec PACK_DIR DRAFTER_DIR [--mode plain|spec] [--prompt N] [--gen N]
- *              [--block B] [--adaptive] [--window W] [--threads N]
+ *              [--block B] [--adaptive] [--always] [--window W] [--threads N]
+ *
+ * --always: draft every round (no plain-step fallback: speculation measured as such).
  *
  * The prompt is N token ids of source text from the pack's tokenizer cycled (or synthetic
  * ids when none decode); output identity with plain decoding is checked by the tests. */
@@ -16,7 +18,7 @@
 
 int main(int argc, char **argv) {
     const char *pack = NULL, *drafter = NULL, *mode = "spec";
-    int n_prompt = 512, n_gen = 128, block = 0, adaptive = 0, window = 2048, threads = 0;
+    int n_prompt = 512, n_gen = 128, block = 0, adaptive = 0, always = 0, window = 2048, threads = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--mode") && i + 1 < argc) mode = argv[++i];
         else if (!strcmp(argv[i], "--prompt") && i + 1 < argc) n_prompt = atoi(argv[++i]);
@@ -25,11 +27,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--window") && i + 1 < argc) window = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--adaptive")) adaptive = 1;
+        else if (!strcmp(argv[i], "--always")) always = 1;
         else if (argv[i][0] != '-' && !pack) pack = argv[i];
         else if (argv[i][0] != '-' && !drafter) drafter = argv[i];
         else {
             fprintf(stderr, "usage: bench_spec PACK DRAFTER [--mode plain|spec] [--prompt N] [--gen N] [--block B] "
-                            "[--adaptive] [--window W] [--threads N]\n");
+                            "[--adaptive] [--always] [--window W] [--threads N]\n");
             return 2;
         }
     }
@@ -62,6 +65,7 @@ int main(int argc, char **argv) {
         df_spec_params sp = df_spec_params_default();
         sp.block = block;
         sp.adaptive = adaptive;
+        sp.no_fallback = always;
         st = df_generate_speculative(s, ds, ids, n_prompt, &gp, &sp, NULL, NULL, &r, &err);
     }
     if (st != DF_OK) {

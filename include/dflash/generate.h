@@ -144,6 +144,7 @@ typedef struct df_gen_result {
     int draft_rounds;     /* verify passes */
     int draft_n;          /* drafted tokens proposed */
     int draft_n_accepted; /* drafted tokens accepted (bonus tokens excluded) */
+    int plain_steps;      /* rounds decoded as plain steps (the fallback's, and a last one-token step) */
     /* wall time of the rounds' phases, ms: drafter pass, verify pass, GDN state settling,
      * drafter context update (with df_spec_params.phase_sync off, work still queued on the
      * device at a phase's end is counted in the next phase) */

@@ -34,7 +34,33 @@ typedef struct df_spec_params {
     void *override_user;
     int phase_sync;     /* 1: wait for the device at each phase's end, so that the result's phase
                          * times (draft_ms ...) are each phase's own (benchmarks; slightly slower) */
+    int no_fallback;    /* 1: draft every round. 0 (default): when the drafted rounds are measured
+                         * slower per token than plain decoding steps, decode plainly for a while
+                         * (df_spec_fallback) and then try drafting again; the output is the same */
 } df_spec_params;
+
+/* The plain-step fallback of df_generate_speculative (df_spec_params.no_fallback = 0). Its
+ * state is per generation; times are wall milliseconds per committed token of each round.
+ * Drafting loses when 4 drafted rounds in a row commit one token each (no draft accepted: each
+ * cost a drafter pass and a verify pass of several rows for one token), or when the mean time
+ * per token of the last 4 drafted rounds exceeds the fastest plain step seen (the first 2
+ * drafted rounds, which warm graphs and caches, are not timed; 2 plain steps are timed once,
+ * after the first 4 timed rounds). When drafting loses, the next `hold` rounds are plain steps
+ * (hold starts at 8 and doubles, up to 256, each time drafting loses again; it is reset to 8
+ * when a timed window wins), then drafting is tried afresh. A plain step here is a verify pass
+ * of one row; the drafter's context still follows every token. */
+typedef struct df_spec_fallback {
+    double plain_best;        /* fastest plain step, ms per token (< 0: none timed yet) */
+    double recent[4];         /* the last drafted rounds, ms per token */
+    int n_recent, warm, plain_left, hold, n_plain_rounds, zero_run;
+} df_spec_fallback;
+
+/* A fresh fallback state. */
+void df_spec_fallback_init(df_spec_fallback *f);
+/* 1 when the next round should draft, 0 for a plain step. */
+int df_spec_fallback_draft(const df_spec_fallback *f);
+/* Records a round: drafted (1) or plain (0), its wall time in ms and the tokens it committed. */
+void df_spec_fallback_record(df_spec_fallback *f, int drafted, double ms, int tokens);
 
 /* Defaults: block 0 (= df_spec_default_block), fixed, range 2..16 when adaptive. */
 df_spec_params df_spec_params_default(void);

@@ -608,6 +608,7 @@ int df_cmd_bench(int argc, char **argv) {
             long accepted[2] = {0, 0};
             for (int mode = 0; mode < 2; mode++) {
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* speculation measured as such: every round drafts */
                 synth_acc sa = {.plain = want.ids, .n_plain = want.n_ids, .vocab = V, .tau = 4.5, .rng = 777u + (unsigned)pi};
                 if (mode == 1) {
                     sp.block = 8;
@@ -640,6 +641,7 @@ int df_cmd_bench(int argc, char **argv) {
             for (int bi = 0; bi < o.n_blocks; bi++) {
                 synth_acc sa = {.plain = plain, .n_plain = o.gen, .vocab = V, .tau = o.taus[ti], .rng = 12345};
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* speculation measured as such: every round drafts */
                 sp.block = o.blocks[bi];
                 sp.override = synth_propose;
                 sp.override_user = &sa;
@@ -697,6 +699,7 @@ int df_cmd_bench(int argc, char **argv) {
                 reset_peak(e);
                 if (df_session_init(&ms, e, C + 80, &err) != DF_OK) goto out;
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* speculation measured as such: every round drafts */
                 df_gen_params gp = df_gen_params_default();
                 gp.max_tokens = 32;
                 df_gen_result res;

@@ -71,6 +71,7 @@ static int print_json(const gen_output *g) {
         json_object_set_new(o, "draft_rounds", json_integer(res->draft_rounds));
         json_object_set_new(o, "draft_n", json_integer(res->draft_n));
         json_object_set_new(o, "draft_n_accepted", json_integer(res->draft_n_accepted));
+        json_object_set_new(o, "plain_steps", json_integer(res->plain_steps));
         json_object_set_new(o, "draft_ms", json_real(res->draft_ms));
         json_object_set_new(o, "verify_ms", json_real(res->verify_ms));
         json_object_set_new(o, "draft_quant_bits", json_integer(g->draft_quant));
@@ -130,7 +131,7 @@ int cmd_generate(int argc, char **argv) {
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
         {"device", "cpu|cuda", CLI_STR, &device, "cpu", "compute backend (cuda: the first NVIDIA GPU)", 0, 0, 0},
         CLI_DRAFT_OPTIONS(drafter_dir, spec, window, no_draft, draft_quant),
-        {"stats", NULL, CLI_FLAG, &stats, "off", "print draft_rounds, draft_n, draft_n_accepted, tokens/round, acceptance and each phase's time per round to stderr", 0, 0, 0},
+        {"stats", NULL, CLI_FLAG, &stats, "off", "print draft_rounds, draft_n, draft_n_accepted, tokens/round, acceptance, plain_steps and each phase's time per round to stderr", 0, 0, 0},
         {"json", NULL, CLI_FLAG, &json, "off", "print one JSON object {prompt_ids, ids, text, finish_reason, ...} instead of streaming", 0, 0, 0},
     };
     cli_command cmd = {"generate", "(--prompt TEXT | --chat TEXT | --messages FILE | --prompt-ids IDS) [options]",
@@ -303,10 +304,12 @@ int cmd_generate(int argc, char **argv) {
                 res.draft_ms / nr, res.verify_ms / nr, res.settle_ms / nr, res.context_ms / nr);
     }
     if (stats)
-        fprintf(stderr, "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f%s%s\n",
+        fprintf(stderr,
+                "dflash: draft_rounds %d, draft_n %d, draft_n_accepted %d, tokens/round %.2f, acceptance %.3f, plain_steps "
+                "%d%s%s\n",
                 res.draft_rounds, res.draft_n, res.draft_n_accepted,
                 res.draft_rounds ? (double)(res.draft_n_accepted + res.draft_rounds) / res.draft_rounds : 0.0,
-                res.draft_n ? (double)res.draft_n_accepted / res.draft_n : 0.0,
+                res.draft_n ? (double)res.draft_n_accepted / res.draft_n : 0.0, res.plain_steps,
                 draft_quant == 8 ? ", drafter weights 8-bit" : (draft_quant == 4 ? ", drafter weights 4-bit" : ""),
                 speculative ? "" : " (plain decoding)");
     if (res.finish == DF_FINISH_CANCELLED) rc = 130;

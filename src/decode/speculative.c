@@ -20,6 +20,67 @@ df_spec_params df_spec_params_default(void) {
     return p;
 }
 
+/* ---- the plain-step fallback (speculative.h) ---- */
+#define FALLBACK_WARM 2
+#define FALLBACK_PLAIN_PROBE 2
+#define FALLBACK_WINDOW 4
+#define FALLBACK_HOLD_MIN 8
+#define FALLBACK_HOLD_MAX 256
+#define FALLBACK_ZERO_RUN 4
+
+void df_spec_fallback_init(df_spec_fallback *f) {
+    memset(f, 0, sizeof *f);
+    f->plain_best = -1.0;
+    f->warm = FALLBACK_WARM;
+    f->hold = FALLBACK_HOLD_MIN;
+}
+
+int df_spec_fallback_draft(const df_spec_fallback *f) { return f->plain_left == 0; }
+
+void df_spec_fallback_record(df_spec_fallback *f, int drafted, double ms, int tokens) {
+    if (tokens < 1) return;
+    const double per = ms / (double)tokens;
+    if (!drafted) {
+        if (f->plain_left > 0) f->plain_left--;
+        if (f->plain_best < 0.0 || per < f->plain_best) f->plain_best = per;
+        f->n_plain_rounds++;
+        f->zero_run = 0; /* drafting is judged afresh after plain steps */
+        return;
+    }
+    /* a drafted round that committed one token cost more than a plain step whatever the
+     * clock says (a drafter pass and a verify pass of several rows for it): a run of them
+     * is a loss without timing */
+    f->zero_run = tokens == 1 ? f->zero_run + 1 : 0;
+    if (f->zero_run >= FALLBACK_ZERO_RUN) {
+        f->zero_run = 0;
+        f->plain_left = f->hold;
+        f->hold = f->hold * 2 <= FALLBACK_HOLD_MAX ? f->hold * 2 : FALLBACK_HOLD_MAX;
+        f->n_recent = 0;
+        return;
+    }
+    if (f->warm > 0) {
+        f->warm--;
+        return;
+    }
+    f->recent[f->n_recent % FALLBACK_WINDOW] = per;
+    f->n_recent++;
+    if (f->n_recent < FALLBACK_WINDOW) return;
+    if (f->plain_best < 0.0) {
+        f->plain_left = FALLBACK_PLAIN_PROBE; /* time plain steps once */
+        return;
+    }
+    double mean = 0.0;
+    for (int i = 0; i < FALLBACK_WINDOW; i++) mean += f->recent[i];
+    mean /= FALLBACK_WINDOW;
+    if (mean > f->plain_best) {
+        f->plain_left = f->hold;
+        f->hold = f->hold * 2 <= FALLBACK_HOLD_MAX ? f->hold * 2 : FALLBACK_HOLD_MAX;
+        f->n_recent = 0; /* drafting is judged afresh after the plain steps */
+    } else {
+        f->hold = FALLBACK_HOLD_MIN;
+    }
+}
+
 /* Per-round scratch: tap features, and the verify pass's GDN projections and states. */
 typedef struct spec_ctx {
     df_session *s;
@@ -243,10 +304,14 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     }
     int B = sp.block;
     double ph_ms[4] = {0, 0, 0, 0}; /* draft, verify, settle, context */
+    df_spec_fallback fb;
+    df_spec_fallback_init(&fb);
+    int plain_steps = 0;
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
         const int p0 = s->pos; /* position of the bonus token */
         double tp = df_now_ms();
-        int Bv = B;
+        const double t_round = tp;
+        int Bv = sp.no_fallback || df_spec_fallback_draft(&fb) ? B : 1;
         if (Bv > max_tokens - out.n_ids) Bv = max_tokens - out.n_ids; /* a round commits at most Bv tokens */
         if (Bv > s->max_ctx - p0) Bv = s->max_ctx - p0;
         int32_t rows[DF_MAX_ROWS];
@@ -256,7 +321,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             if (st != DF_OK) break;
             if (sp.override) sp.override(sp.override_user, out.n_ids, bonus, Bv, rows + 1);
         } else {
-            Bv = 1; /* one token left: a plain decode step */
+            Bv = 1; /* one token left, or the fallback's turn: a plain decode step */
         }
         phase_end(&c, &sp, ph_ms, 0, &tp, Bv >= 2);
         /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
@@ -292,6 +357,8 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             if (a == Bv - 1) B = B + 2 <= sp.block_max ? B + 2 : sp.block_max;
             else if (2 * (a + 1) < Bv) B = B - 2 >= sp.block_min ? B - 2 : sp.block_min;
         }
+        df_spec_fallback_record(&fb, Bv >= 2, df_now_ms() - t_round, a + 1);
+        if (Bv < 2) plain_steps++;
     }
     s->tap = NULL;
     s->gdn_redirect = NULL;
@@ -301,6 +368,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     res->draft_rounds = rounds;
     res->draft_n = dn;
     res->draft_n_accepted = da;
+    res->plain_steps = plain_steps;
     res->draft_ms = ph_ms[0];
     res->verify_ms = ph_ms[1];
     res->settle_ms = ph_ms[2];

@@ -11,7 +11,7 @@ import pytest
 from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, run_cli, tokenize
 
 DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
-                 "--draft-window", "--draft-quant", "--no-draft"]
+                 "--draft-always", "--draft-window", "--draft-quant", "--no-draft"]
 COMMAND_OPTIONS = {
     "generate": ["--model", "--prompt", "--chat", "--messages", "--prompt-ids", "--enable-thinking", "--temperature",
                  "--top-p", "--top-k", "--min-p", "--seed", "--max-tokens", "--stop", "--threads", "--device", *DRAFT_OPTIONS,
@@ -348,7 +348,8 @@ def test_generate_messages_file(tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["--draft-block", "4"], ["--draft-block", "16"],
                                    ["--draft-adaptive", "--draft-block-min", "2", "--draft-block-max", "12"],
-                                   ["--draft-window", "8"], ["--draft-quant", "8"], ["--draft-quant", "4"]])
+                                   ["--draft-window", "8"], ["--draft-quant", "8"], ["--draft-quant", "4"],
+                                   ["--draft-always"]])
 def test_generate_speculative_equals_plain(extra):
     plain = generate_json("--chat", "def fib(n):", "--max-tokens", "40")
     spec = generate_json("--chat", "def fib(n):", "--max-tokens", "40", "--drafter", DRAFTER, *extra)
@@ -356,6 +357,9 @@ def test_generate_speculative_equals_plain(extra):
     assert spec["text"] == plain["text"]
     assert spec["draft_rounds"] > 0 and spec["draft_n"] >= spec["draft_rounds"]
     assert 0 <= spec["draft_n_accepted"] <= spec["draft_n"]
+    assert spec["plain_steps"] >= 0
+    if "--draft-always" in extra:  # only a last one-token step is plain
+        assert spec["plain_steps"] <= 1
     assert "draft_rounds" not in plain
 
 

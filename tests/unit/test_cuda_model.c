@@ -178,6 +178,7 @@ static void test_speculative_equals_plain(void **state) {
         for (int b = 0; b < 4; b++) {
             for (int k = -2; k < 2; k++) { /* -2: real drafter; -1: all accepted; 0: none; 1: partial */
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* every round drafts */
                 sp.block = blocks[b];
                 replay rp = {.plain = want.ids, .n_plain = want.n_ids, .corrupt = k == 1 ? 1 + i % (blocks[b] - 1) : k};
                 if (k >= -1) {
@@ -230,6 +231,7 @@ static void spec_equals_plain(const char *fixture, int quant, const char *label)
         const int blocks[] = {4, 8};
         for (int b = 0; b < 2; b++) {
             df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1; /* every round drafts */
             sp.block = blocks[b];
             if (df_generate_speculative(s, ds, prompt, n, &gp, &sp, NULL, NULL, &got, &err) != DF_OK)
                 fail_msg("speculative: %s", err.msg);

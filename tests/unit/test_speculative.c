@@ -111,6 +111,7 @@ static void test_exact_all_patterns(void **state) {
         for (int b = 0; b < 4; b++) {
             const int B = blocks[b];
             df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1; /* every round drafts */
             sp.block = B;
             /* the real drafter */
             spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "real drafter", i);
@@ -163,6 +164,7 @@ static void test_each_partial_length(void **state) {
         for (int b = 0; b < 2; b++) {
             for (int j = 0; j < blocks[b] - 1; j++) {
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* every round drafts */
                 sp.block = blocks[b];
                 replay r = {.plain = want.ids, .n_plain = want.n_ids, .corrupt = j};
                 sp.override = replay_propose;
@@ -191,6 +193,7 @@ static void test_stops_inside_block(void **state) {
         const int blocks[] = {4, 8, 16};
         for (int b = 0; b < 3; b++) {
             df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1; /* every round drafts */
             sp.block = blocks[b];
             replay r = {.plain = full.ids, .n_plain = full.n_ids, .corrupt = -1};
             sp.override = replay_propose;
@@ -205,6 +208,7 @@ static void test_stops_inside_block(void **state) {
         assert_int_equal(want.n_ids, 3 + i);
         for (int b = 0; b < 3; b++) {
             df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1; /* every round drafts */
             sp.block = blocks[b];
             replay r = {.plain = full.ids, .n_plain = full.n_ids, .corrupt = -1};
             sp.override = replay_propose;
@@ -227,6 +231,7 @@ static void test_window_and_adaptive(void **state) {
     df_gen_result want;
     plain(longp, 300, &gp, &want);
     df_spec_params sp = df_spec_params_default();
+    sp.no_fallback = 1; /* every round drafts */
     sp.block = 8;
     spec_check(longp, 300, &gp, &sp, &want, "long prompt, window 48", 0);
     sp.adaptive = 1;
@@ -261,6 +266,7 @@ static void test_dflash2_exact(void **state) {
         plain(g_prompts[i], g_plen[i], &gp, &want);
         for (int b = 0; b < 3; b++) {
             df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1; /* every round drafts */
             sp.block = blocks[b];
             spec_check(g_prompts[i], g_plen[i], &gp, &sp, &want, "dflash2 drafter", i);
         }
@@ -286,6 +292,7 @@ static void test_quantized_drafter(void **state) {
     df_gen_params gp = df_gen_params_default();
     gp.max_tokens = 4;
     df_spec_params sp0 = df_spec_params_default();
+    sp0.no_fallback = 1;
     sp0.block = 4;
     df_gen_result r0;
     if (df_generate_speculative(g_sess, g_ds, g_prompts[3], g_plen[3], &gp, &sp0, NULL, NULL, &r0, &err) != DF_OK)
@@ -328,6 +335,7 @@ static void test_quantized_drafter(void **state) {
             const int blocks[] = {4, 8, 16};
             for (int b = 0; b < 3; b++) {
                 df_spec_params sp = df_spec_params_default();
+                sp.no_fallback = 1; /* every round drafts */
                 sp.block = blocks[b];
                 spec_check(g_prompts[i], g_plen[i], &g2, &sp, &want, "quantized drafter", i);
             }
@@ -341,6 +349,124 @@ static void test_quantized_drafter(void **state) {
     free(got);
 }
 
+/* The plain-step fallback's decisions from given round times (ms per round, tokens): warm-up
+ * rounds are not judged, plain steps are timed once, a drafting that loses to them yields to
+ * plain steps for a hold that doubles while it keeps losing and is reset when it wins. */
+static void test_fallback_policy(void **state) {
+    (void)state;
+    df_spec_fallback f;
+    df_spec_fallback_init(&f);
+    /* warm-up rounds (slow: graph captures) and the first window: drafting throughout */
+    for (int i = 0; i < 2 + 4; i++) {
+        assert_true(df_spec_fallback_draft(&f));
+        df_spec_fallback_record(&f, 1, i < 2 ? 100.0 : 12.0, 3); /* 4 ms per token */
+    }
+    /* no plain step timed yet: two plain steps */
+    for (int i = 0; i < 2; i++) {
+        assert_false(df_spec_fallback_draft(&f));
+        df_spec_fallback_record(&f, 0, i == 0 ? 9.0 : 6.0, 1); /* the faster one counts: 6 ms */
+    }
+    /* drafting wins (4 < 6 ms per token): it goes on */
+    for (int i = 0; i < 10; i++) {
+        assert_true(df_spec_fallback_draft(&f));
+        df_spec_fallback_record(&f, 1, 12.0, 3);
+    }
+    /* drafting loses (10 ms per token): after the window's mean passes 6 ms, 8 plain steps */
+    int drafted = 0;
+    while (df_spec_fallback_draft(&f)) {
+        df_spec_fallback_record(&f, 1, 10.0, 1);
+        drafted++;
+    }
+    assert_true(drafted >= 1 && drafted <= 4);
+    int plain = 0;
+    while (!df_spec_fallback_draft(&f)) {
+        df_spec_fallback_record(&f, 0, 6.0, 1);
+        plain++;
+    }
+    assert_int_equal(plain, 8);
+    /* it loses again after a fresh window: 16 plain steps */
+    for (int i = 0; i < 4; i++) {
+        assert_true(df_spec_fallback_draft(&f));
+        df_spec_fallback_record(&f, 1, 10.0, 1);
+    }
+    plain = 0;
+    while (!df_spec_fallback_draft(&f)) {
+        df_spec_fallback_record(&f, 0, 6.0, 1);
+        plain++;
+    }
+    assert_int_equal(plain, 16);
+    /* a fresh window where it wins: drafting goes on, and the hold is back to 8 */
+    for (int i = 0; i < 8; i++) {
+        assert_true(df_spec_fallback_draft(&f));
+        df_spec_fallback_record(&f, 1, 8.0, 4);
+    }
+    while (df_spec_fallback_draft(&f)) df_spec_fallback_record(&f, 1, 40.0, 1);
+    plain = 0;
+    while (!df_spec_fallback_draft(&f)) {
+        df_spec_fallback_record(&f, 0, 6.0, 1);
+        plain++;
+    }
+    assert_int_equal(plain, 8);
+    /* rounds that commit nothing are ignored */
+    df_spec_fallback_record(&f, 1, 1e9, 0);
+    assert_true(df_spec_fallback_draft(&f));
+    /* four drafted rounds in a row without an accepted draft lose whatever their times, with
+     * no plain step timed yet (a fresh state: warm-up rounds count) */
+    df_spec_fallback_init(&f);
+    for (int i = 0; i < 3; i++) {
+        df_spec_fallback_record(&f, 1, 0.001, 1);
+        assert_true(df_spec_fallback_draft(&f));
+    }
+    df_spec_fallback_record(&f, 1, 0.001, 2); /* an accepted draft breaks the run */
+    df_spec_fallback_record(&f, 1, 0.001, 1);
+    assert_true(df_spec_fallback_draft(&f));
+    df_spec_fallback_init(&f);
+    for (int i = 0; i < 3; i++) {
+        df_spec_fallback_record(&f, 1, 0.001, 1);
+        assert_true(df_spec_fallback_draft(&f));
+    }
+    df_spec_fallback_record(&f, 1, 0.001, 1);
+    plain = 0;
+    while (!df_spec_fallback_draft(&f)) {
+        df_spec_fallback_record(&f, 0, 6.0, 1);
+        plain++;
+    }
+    assert_int_equal(plain, 8);
+}
+
+/* With the fallback on (the default) and drafts that are never accepted, drafting is measured
+ * slower than plain steps (a drafter pass and a verify pass of B rows for each token), so
+ * plain steps take over; the output is plain decoding's. */
+static void test_fallback_exact(void **state) {
+    (void)state;
+    const int np = n_prompts() < 4 ? n_prompts() : 4;
+    for (int i = 0; i < np; i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = 64;
+        df_gen_result want;
+        plain(g_prompts[i], g_plen[i], &gp, &want);
+        replay r = {.plain = want.ids, .n_plain = want.n_ids, .corrupt = 0};
+        df_spec_params sp = df_spec_params_default();
+        sp.block = 8;
+        sp.override = replay_propose;
+        sp.override_user = &r;
+        df_gen_result got;
+        df_error err = {0};
+        assert_int_equal(df_generate_speculative(g_sess, g_ds, g_prompts[i], g_plen[i], &gp, &sp, NULL, NULL, &got, &err),
+                         DF_OK);
+        assert_int_equal(got.n_ids, want.n_ids);
+        assert_memory_equal(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t));
+        assert_int_equal(got.draft_n_accepted, 0);
+        /* one token per round: 4 drafted rounds, 8 plain steps, 4 drafted, 16 plain, 4
+         * drafted, 32 plain: at most 12 drafted rounds in 64 tokens */
+        assert_true(got.draft_rounds >= 1);
+        if (want.n_ids >= 32) assert_true(got.draft_rounds <= 12);
+        printf("fallback, prompt %d: %d of %d tokens from drafted rounds\n", i, got.draft_rounds, want.n_ids);
+        df_gen_result_free(&got);
+        df_gen_result_free(&want);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
@@ -349,6 +475,8 @@ int main(void) {
         cmocka_unit_test(test_window_and_adaptive),
         cmocka_unit_test(test_dflash2_exact),
         cmocka_unit_test(test_quantized_drafter),
+        cmocka_unit_test(test_fallback_policy),
+        cmocka_unit_test(test_fallback_exact),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

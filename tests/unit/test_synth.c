@@ -59,6 +59,7 @@ static void test_tiny_synth(void **state) {
     df_gen_result want, got;
     assert_int_equal(df_generate(s, p, 40, &gp, NULL, NULL, &want, &err), DF_OK);
     df_spec_params sp = df_spec_params_default();
+    sp.no_fallback = 1; /* every round drafts */
     assert_int_equal(df_generate_speculative(s, ds, p, 40, &gp, &sp, NULL, NULL, &got, &err), DF_OK);
     assert_int_equal(got.n_ids, want.n_ids);
     assert_memory_equal(got.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t));
