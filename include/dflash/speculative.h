@@ -69,8 +69,8 @@ df_spec_params df_spec_params_default(void);
  * smaller. A block of B rows costs one verify pass of B rows plus a drafter pass; measured on
  * the H200 (docs/PERFORMANCE.md) a verify pass of 4 rows costs 1.22x one decode step and one of
  * 16 rows 3.8x, so at the acceptance rates this drafter reaches (2.7 to 4.5 tokens per round
- * with block 16) block 4 is the fastest fixed choice: 1.75x / 2.62x plain, where block 8 is
- * 1.15x / 1.90x and block 16 0.63x / 1.02x. */
+ * with block 16) block 4 is the fastest fixed choice: 1.79x / 2.47x plain, where block 8 is
+ * 1.07x / 1.84x and block 16 below 1x (0.63x / 1.02x when last measured). */
 int df_spec_default_block(const df_drafter_config *dc);
 
 /* Greedy generation with speculative decoding. s: a session of the drafter's target engine;
