@@ -349,6 +349,16 @@ static void test_quantized_drafter(void **state) {
     free(got);
 }
 
+/* The plain steps the fallback asks for now (each timed at 6 ms): how many. */
+static int plain_run(df_spec_fallback *f) {
+    int n = 0;
+    while (!df_spec_fallback_draft(f)) {
+        df_spec_fallback_record(f, 0, 6.0, 1);
+        n++;
+    }
+    return n;
+}
+
 /* The plain-step fallback's decisions from given round times (ms per round, tokens): warm-up
  * rounds are not judged, plain steps are timed once, a drafting that loses to them yields to
  * plain steps for a hold that doubles while it keeps losing and is reset when it wins. */
@@ -378,22 +388,14 @@ static void test_fallback_policy(void **state) {
         drafted++;
     }
     assert_true(drafted >= 1 && drafted <= 4);
-    int plain = 0;
-    while (!df_spec_fallback_draft(&f)) {
-        df_spec_fallback_record(&f, 0, 6.0, 1);
-        plain++;
-    }
+    int plain = plain_run(&f);
     assert_int_equal(plain, 8);
     /* it loses again after a fresh window: 16 plain steps */
     for (int i = 0; i < 4; i++) {
         assert_true(df_spec_fallback_draft(&f));
         df_spec_fallback_record(&f, 1, 10.0, 1);
     }
-    plain = 0;
-    while (!df_spec_fallback_draft(&f)) {
-        df_spec_fallback_record(&f, 0, 6.0, 1);
-        plain++;
-    }
+    plain = plain_run(&f);
     assert_int_equal(plain, 16);
     /* a fresh window where it wins: drafting goes on, and the hold is back to 8 */
     for (int i = 0; i < 8; i++) {
@@ -401,11 +403,7 @@ static void test_fallback_policy(void **state) {
         df_spec_fallback_record(&f, 1, 8.0, 4);
     }
     while (df_spec_fallback_draft(&f)) df_spec_fallback_record(&f, 1, 40.0, 1);
-    plain = 0;
-    while (!df_spec_fallback_draft(&f)) {
-        df_spec_fallback_record(&f, 0, 6.0, 1);
-        plain++;
-    }
+    plain = plain_run(&f);
     assert_int_equal(plain, 8);
     /* rounds that commit nothing are ignored */
     df_spec_fallback_record(&f, 1, 1e9, 0);
@@ -426,11 +424,7 @@ static void test_fallback_policy(void **state) {
         assert_true(df_spec_fallback_draft(&f));
     }
     df_spec_fallback_record(&f, 1, 0.001, 1);
-    plain = 0;
-    while (!df_spec_fallback_draft(&f)) {
-        df_spec_fallback_record(&f, 0, 6.0, 1);
-        plain++;
-    }
+    plain = plain_run(&f);
     assert_int_equal(plain, 8);
 }
 
