@@ -89,7 +89,7 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
     {"draft-adaptive", NULL, CLI_FLAG, &(spec).adaptive, "off", "adapt the block size to the acceptance", 0, 0, 0}, \
     {"draft-block-min", "N", CLI_INT, &(spec).block_min, "2", "with --draft-adaptive: smallest block", 2, 16, 0}, \
     {"draft-block-max", "N", CLI_INT, &(spec).block_max, "16", "with --draft-adaptive: largest block", 2, 16, 0}, \
-    {"draft-always", NULL, CLI_FLAG, &(spec).no_fallback, "off", "draft every round (default: plain steps for a while when drafting is measured slower per token than plain decoding; the output is the same)", 0, 0, 0}, \
+    {"draft-always", NULL, CLI_FLAG, &(spec).no_fallback, "off", "draft every round; without it, plain steps are taken for a while when drafting is measured slower per token than plain decoding (the output is the same)", 0, 0, 0}, \
     {"draft-window", "N", CLI_INT, &(window), "2048", "drafter context positions kept", 1, 1 << 20, 0}, \
     {"draft-quant", "BITS", CLI_INT, &(quant), "off", "quantize the drafter's weights at load to 8 or 4 bits (faster drafts; the output never changes; 0 = off)", -(1 << 30), 1 << 30, 0}, \
     {"no-draft", NULL, CLI_FLAG, &(no_draft), "off", "load the drafter but decode plainly (x-dflash: fallback; reason=disabled)", 0, 0, 0}

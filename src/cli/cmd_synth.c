@@ -47,7 +47,14 @@ int df_cmd_synth(int argc, char **argv) {
     o.tokenizer_dir = NULL; /* default: the embedded demo model's folder, see below */
     o.drafter = 1;
     o.seed = 1;
+    static const char *const once[] = {"--config", "--out", "--tokenizer", "--no-drafter", "--seed", "--threads"};
+    int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
+        for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
+            if (!strcmp(argv[i], once[k]) && seen[k]++) {
+                fprintf(stderr, "dflash synth: option %s given twice\n(see 'dflash synth --help')\n", argv[i]);
+                return 2;
+            }
         if (!strcmp(argv[i], "--config") && i + 1 < argc) o.preset = argv[++i];
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) o.out_dir = argv[++i];
         else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) o.tokenizer_dir = argv[++i];

@@ -342,6 +342,8 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             res->draft_rounds++;
             res->draft_n += Bv - 1;
             res->draft_n_accepted += a;
+        } else {
+            plain_steps++;
         }
         /* commit d_1..d_a then t_a; stop tokens, stop strings and max_tokens cut the block */
         for (int k = 1; k <= a + 1 && out.finish == DF_FINISH_NONE && st == DF_OK; k++) {
@@ -358,7 +360,6 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             else if (2 * (a + 1) < Bv) B = B - 2 >= sp.block_min ? B - 2 : sp.block_min;
         }
         df_spec_fallback_record(&fb, Bv >= 2, df_now_ms() - t_round, a + 1);
-        if (Bv < 2) plain_steps++;
     }
     s->tap = NULL;
     s->gdn_redirect = NULL;

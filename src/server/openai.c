@@ -708,6 +708,7 @@ json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative) 
         json_object_set_new(t, "draft_rounds", json_integer(res->draft_rounds));
         json_object_set_new(t, "draft_n", json_integer(res->draft_n));
         json_object_set_new(t, "draft_n_accepted", json_integer(res->draft_n_accepted));
+        json_object_set_new(t, "plain_steps", json_integer(res->plain_steps));
         json_object_set_new(t, "draft_ms", json_real(res->draft_ms));
         json_object_set_new(t, "verify_ms", json_real(res->verify_ms));
     }

@@ -84,7 +84,7 @@ json_t *df_api_usage(int prompt_tokens, int completion_tokens);
 
 /* llama.cpp's timings: prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms,
  * predicted_per_second, and with speculative decoding draft_rounds, draft_n,
- * draft_n_accepted. */
+ * draft_n_accepted, plain_steps (rounds decoded as plain steps), draft_ms, verify_ms. */
 json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative);
 
 /* One chat logprobs entry {"token", "logprob", "bytes", "top_logprobs": [...]} for info. */

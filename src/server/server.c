@@ -315,8 +315,9 @@ static void route_health(const df_server *srv, df_http_response *resp) {
 }
 
 static void make_id(df_server *srv, const char *prefix, char *out, size_t cap) {
-    /* splitmix64 of a per-process seed and a counter: unique per response */
-    uint64_t x = srv->id_seed + 0x9E3779B97F4A7C15ull * (atomic_fetch_add(&srv->id_counter, 1) + 1);
+    /* splitmix64 of a per-process seed and a counter: unique per response (two outputs per
+     * id, so the counter advances the generator by two) */
+    uint64_t x = srv->id_seed + 0x9E3779B97F4A7C15ull * 2u * (uint64_t)atomic_fetch_add(&srv->id_counter, 1);
     uint64_t h[2];
     for (int i = 0; i < 2; i++) {
         uint64_t z = (x += 0x9E3779B97F4A7C15ull);

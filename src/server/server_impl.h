@@ -98,7 +98,7 @@ struct df_server_stream {
     int prompt_tokens, completion_tokens;
     const char *finish;
     double prompt_ms, decode_ms;
-    int draft_rounds, draft_n, draft_accepted;
+    int draft_rounds, draft_n, draft_accepted, plain_steps;
     double draft_ms, verify_ms; /* speculative rounds: drafter and verify passes, wall time */
     char note[160];               /* error summary for the log */
 };

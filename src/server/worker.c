@@ -321,6 +321,7 @@ static void add_result(df_job *j, const df_gen_result *res) {
     j->draft_rounds += res->draft_rounds;
     j->draft_n += res->draft_n;
     j->draft_accepted += res->draft_n_accepted;
+    j->plain_steps += res->plain_steps;
     j->draft_ms += res->draft_ms;
     j->verify_ms += res->verify_ms;
 }
@@ -335,6 +336,7 @@ static json_t *job_timings(const df_job *j) {
     sum.draft_rounds = j->draft_rounds;
     sum.draft_n = j->draft_n;
     sum.draft_n_accepted = j->draft_accepted;
+    sum.plain_steps = j->plain_steps;
     sum.draft_ms = j->draft_ms;
     sum.verify_ms = j->verify_ms;
     return df_api_timings(&sum, j->prompt_tokens, j->speculative);

@@ -358,6 +358,10 @@ def test_generate_speculative_equals_plain(extra):
     assert spec["draft_rounds"] > 0 and spec["draft_n"] >= spec["draft_rounds"]
     assert 0 <= spec["draft_n_accepted"] <= spec["draft_n"]
     assert spec["plain_steps"] >= 0
+    # every token after the prompt's first one comes from a drafted round or a plain step (a
+    # stop inside a round commits less than the round accepted)
+    counted = 1 + spec["draft_rounds"] + spec["draft_n_accepted"] + spec["plain_steps"]
+    assert len(spec["ids"]) == counted if spec["finish_reason"] == "length" else len(spec["ids"]) <= counted
     if "--draft-always" in extra:  # only a last one-token step is plain
         assert spec["plain_steps"] <= 1
     assert "draft_rounds" not in plain

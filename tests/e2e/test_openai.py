@@ -118,7 +118,11 @@ def test_stream_equals_non_stream(server, prompt):
     # llama.cpp timings on the final chunk, with the draft counts (speculative)
     t = last["timings"]
     assert t["predicted_n"] == full["usage"]["completion_tokens"] and t["prompt_n"] == full["usage"]["prompt_tokens"]
-    assert t["draft_rounds"] > 0 and {"draft_n", "draft_n_accepted"} <= set(t)
+    assert t["draft_rounds"] > 0 and {"draft_n", "draft_n_accepted", "plain_steps"} <= set(t)
+    # every token after the prompt's first one comes from a drafted round or a plain step (a
+    # stop inside a round commits less than the round accepted)
+    counted = 1 + t["draft_rounds"] + t["draft_n_accepted"] + t["plain_steps"]
+    assert t["predicted_n"] == counted if finish == "length" else t["predicted_n"] <= counted
 
 
 def test_stream_without_usage(server):
