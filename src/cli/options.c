@@ -260,5 +260,9 @@ int cli_check_draft_options(cli_command *cmd, const char *drafter, int no_draft,
     if (spec->block_min > spec->block_max)
         return cli_usage_error(cmd, "--draft-block-min %d is above --draft-block-max %d", spec->block_min,
                                spec->block_max);
+    if (spec->adaptive && spec->block != 0 && (spec->block < spec->block_min || spec->block > spec->block_max))
+        return cli_usage_error(cmd, "--draft-block %d lies outside --draft-block-min %d .. --draft-block-max %d",
+                               spec->block, spec->block_min, spec->block_max);
+    if (no_draft && spec->no_fallback) return cli_usage_error(cmd, "--draft-always and --no-draft contradict each other");
     return 0;
 }

@@ -91,7 +91,7 @@ int cmd_serve(int argc, char **argv) {
         {"api-key", "KEY", CLI_STR, &api_key, "$DFLASH_API_KEY, else none", "require 'Authorization: Bearer KEY' (not on /health)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
         {"device", "cpu|cuda", CLI_STR, &device, "cpu", "compute backend (cuda: the first NVIDIA GPU)", 0, 0, 0},
-        {"ctx-size", "N", CLI_INT, &ctx_size, "0 (the model's context, at most 32768)", "context positions per request (prompt + completion)", 0, 1 << 30, 0},
+        {"ctx-size", "N", CLI_INT, &ctx_size, "0 (the model's context, at most 32768)", "context positions per request (prompt + completion)", 0, 32768, 0},
         {"max-tokens", "N", CLI_INT, &max_tokens, "0 (until the context is full)", "default and upper limit of completion tokens per request", 0, 1 << 30, 0},
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "thinking on for chat requests that do not set enable_thinking", 0, 0, 0},
         {"top-logprobs-k", "N", CLI_INT, &top_k, "20", "largest top_logprobs a request may ask for", 0, 20, 0},

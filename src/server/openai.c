@@ -629,9 +629,13 @@ static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
         return type_error(e, "prompt", "a string, an array of strings or an array of token ids", p);
     }
     for (int i = 0; i < req->n_prompts; i++)
-        if (json_is_string(req->prompts[i]) && json_string_length(req->prompts[i]) == 0)
-            return df_api_error_set(e, 400, INVALID, "invalid_value", "prompt",
-                                    "Invalid 'prompt': the prompt is empty.");
+        if (json_is_string(req->prompts[i]) && json_string_length(req->prompts[i]) == 0) {
+            char param[32];
+            if (json_is_array(p)) snprintf(param, sizeof param, "prompt[%d]", i);
+            else snprintf(param, sizeof param, "prompt");
+            return df_api_error_set(e, 400, INVALID, "invalid_value", param, "Invalid '%s': the prompt is empty.",
+                                    param);
+        }
     return 0;
 }
 

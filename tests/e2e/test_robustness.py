@@ -208,6 +208,7 @@ COMPLETIONS_MALFORMED = [
     ("prompt an object", {"prompt": {"a": 1}}, "invalid_type", "prompt"),
     ("empty prompt", {"prompt": ""}, "invalid_value", "prompt"),
     ("empty prompt list", {"prompt": []}, "invalid_value", "prompt"),
+    ("empty string in a prompt list", {"prompt": ["a", ""]}, "invalid_value", "prompt[1]"),
     ("prompt id out of range", {"prompt": [1, 2, 10 ** 9]}, "invalid_value", "prompt[2]"),
     ("prompt ids mixed", {"prompt": [1, "a"]}, "invalid_type", "prompt[1]"),
     ("prompt list with a number", {"prompt": ["a", 5]}, "invalid_type", "prompt[1]"),
