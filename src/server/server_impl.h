@@ -41,7 +41,7 @@ typedef struct df_metrics {
         uint64_t n;
     } requests[DF_ROUTE_COUNT][DF_METRIC_STATUSES];
     uint64_t prompt_tokens, generated_tokens;
-    uint64_t draft_rounds, draft_n, draft_accepted;
+    uint64_t draft_rounds, draft_n, draft_accepted, plain_steps;
     uint64_t speculative, plain, errors, cancelled;
     double last_tps;       /* decode tok/s of the last generation */
     double gen_seconds;    /* generation wall time, summed */

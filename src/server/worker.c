@@ -548,6 +548,7 @@ void df_job_log_end(df_job *j, int status) {
     m->draft_rounds += (uint64_t)j->draft_rounds;
     m->draft_n += (uint64_t)j->draft_n;
     m->draft_accepted += (uint64_t)j->draft_accepted;
+    m->plain_steps += (uint64_t)j->plain_steps;
     m->draft_seconds += j->draft_ms / 1000.0;
     m->verify_seconds += j->verify_ms / 1000.0;
     if (j->speculative) m->speculative++;

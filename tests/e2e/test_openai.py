@@ -499,6 +499,7 @@ def test_metrics(server):
     assert after["dflash_draft_tokens_total"] - before["dflash_draft_tokens_total"] == t["draft_n"]
     assert after["dflash_draft_tokens_accepted_total"] - before["dflash_draft_tokens_accepted_total"] == \
         t["draft_n_accepted"]
+    assert after["dflash_plain_steps_total"] - before["dflash_plain_steps_total"] == t["plain_steps"]
     for name, ms in (("dflash_draft_seconds_total", t["draft_ms"]), ("dflash_verify_seconds_total", t["verify_ms"])):
         assert abs((after[name] - before[name]) - ms / 1000.0) < 1e-6, name
     assert after["dflash_tokens_per_second"] > 0
