@@ -52,7 +52,7 @@ typedef struct df_spec_params {
 typedef struct df_spec_fallback {
     double plain_best;        /* fastest plain step, ms per token (< 0: none timed yet) */
     double recent[4];         /* the last drafted rounds, ms per token */
-    int n_recent, warm, plain_left, hold, n_plain_rounds, zero_run;
+    int n_recent, warm, plain_left, hold, zero_run;
 } df_spec_fallback;
 
 /* A fresh fallback state. */

@@ -43,7 +43,6 @@ void df_spec_fallback_record(df_spec_fallback *f, int drafted, double ms, int to
     if (!drafted) {
         if (f->plain_left > 0) f->plain_left--;
         if (f->plain_best < 0.0 || per < f->plain_best) f->plain_best = per;
-        f->n_plain_rounds++;
         f->zero_run = 0; /* drafting is judged afresh after plain steps */
         return;
     }
