@@ -4,7 +4,7 @@
 #     cd .gpu-work && bash tools/gpu_run.sh [steps...]
 # steps (default: info tests ops synth bench): info, tests (GPU exactness tests), ops
 # (bench_cuda_ops), synth (27B-shaped pack into /tmp/p27, about 11 GB), bench (dflash bench on
-# it), mem (peak memory at 1k and 32k). Library packages come from ../.gpu-deps (Debian .debs,
+# it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k). Library packages come from ../.gpu-deps (Debian .debs,
 # unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU machine with nvcc 13.0),
 # else built here. Logs go to $OUT.
 set -u
@@ -58,6 +58,10 @@ for s in $STEPS; do
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 --identity 5,200" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 \
       --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 --identity 5,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+  final)
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --draft-quant-pass 8,4 --identity 5,200" >> "$OUT/summary.txt"
+    t timeout 420 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 8,4 \
+      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --draft-quant-pass 8,4 --identity 5,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
   exp)
     for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
       echo "-- $v" | tee -a "$OUT/summary.txt"

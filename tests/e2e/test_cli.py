@@ -240,6 +240,13 @@ def test_bench_checks_its_options():
     assert p.returncode == 0, p.stderr
     assert "tokens identical to plain: yes" in p.stdout
     assert re.search(r"per round \(phases awaited\): drafter pass [0-9.]+ ms, verify pass [0-9.]+ ms", p.stdout)
+    # --identity: speculative == plain in its three modes (every round drafted, synthetic
+    # acceptance, the default plain-step fallback), each named with its verdict
+    p = run_cli(*base, "--drafter", DRAFTER, "--identity", "1,24")
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("identity: prompt 0"))
+    assert re.search(r"with the drafter \(default block\): yes .*block 8: yes .*with the plain-step fallback: yes "
+                     r"\(\d+ accepted, \d+ plain steps\)", line), line
 
 
 def test_negative_seed_is_taken_modulo_2_64():

@@ -22,7 +22,7 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 
-static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_cp, *g_cpu;
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_cp, *g_gpu_b8, *g_cpu;
 static char g_skip[700];
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
@@ -66,7 +66,15 @@ static int setup(void **state) {
         if (df_backend_cuda_create(&g_gpu_reg, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_QRING");
         setenv("DFLASH_CUDA_QCTAS", "7", 1);
+        setenv("DFLASH_CUDA_QSPLIT_ROWS", "3", 1); /* and M rows in launches of at most 3 */
         if (df_backend_cuda_create(&g_gpu_persist, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QCTAS");
+        unsetenv("DFLASH_CUDA_QSPLIT_ROWS");
+        /* bulk copies up to 8 rows, on 7 CTAs */
+        setenv("DFLASH_CUDA_QBULK", "2", 1);
+        setenv("DFLASH_CUDA_QCTAS", "7", 1);
+        if (df_backend_cuda_create(&g_gpu_b8, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QBULK");
         unsetenv("DFLASH_CUDA_QCTAS");
         /* the ring fed per lane (cp.async) instead of by bulk copies */
         setenv("DFLASH_CUDA_QBULK", "0", 1);
@@ -84,8 +92,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_cp, g_cpu};
-    for (int i = 0; i < 7; i++)
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_cp, g_gpu_b8, g_cpu};
+    for (int i = 0; i < 8; i++)
         if (bs[i]) bs[i]->ops->destroy(bs[i]);
     return 0;
 }
@@ -358,12 +366,16 @@ static void test_linear(void **state) {
         float *yreg = linear_rows_exact(g_gpu_reg, &q.L, x, cases[c].name);
         float *ype = linear_rows_exact(g_gpu_persist, &q.L, x, cases[c].name);
         float *ycp = linear_rows_exact(g_gpu_cp, &q.L, x, cases[c].name);
+        float *yb8 = linear_rows_exact(g_gpu_b8, &q.L, x, cases[c].name);
         if (memcmp(y, yreg, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: the ring kernel and the register kernel differ", cases[c].name);
         if (memcmp(y, ype, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: the ring kernel on 7 CTAs differs", cases[c].name);
         if (memcmp(y, ycp, (size_t)R * (size_t)rows * 4) != 0)
             fail_msg("%s: the ring fed by bulk copies and the ring fed per lane differ", cases[c].name);
+        if (memcmp(y, yb8, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: bulk copies up to 8 rows differ", cases[c].name);
+        free(yb8);
         free(yreg);
         free(ype);
         free(ycp);
@@ -1073,6 +1085,7 @@ static void test_fused(void **state) {
     fused_case(g_gpu, "default kernels");
     fused_case(g_gpu_persist, "ring kernel on 7 CTAs");
     fused_case(g_gpu_cp, "ring fed per lane");
+    fused_case(g_gpu_b8, "bulk copies up to 8 rows");
 }
 
 int main(void) {

@@ -82,8 +82,8 @@ typedef struct cuda_backend {
     int target_ctas;
     int dense_first;        /* dense linears of a group launched before its fixed-point ones (DFLASH_CUDA_DENSE_FIRST) */
     char profile_skip[256]; /* DFLASH_CUDA_PROFILE_SKIP: commands not run (timing experiments only) */
-    int q_ring, q_ctas, q_ring_max_m, q_bulk; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS,
-                                                 _QRING_MAXM, _QBULK) */
+    int q_ring, q_ctas, q_ring_max_m, q_bulk, q_split_bytes, q_split_rows; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS,
+                                                 _QRING_MAXM, _QBULK, _QSPLIT_BYTES, _QSPLIT_ROWS) */
     /* step recording (see "steps and graphs" below) */
     cudaStream_t stream;
     struct cmd *cmds;
@@ -1131,6 +1131,8 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         q.sched.ring = cb->q_ring;
         q.sched.ring_max_m = cb->q_ring_max_m;
         q.sched.bulk = cb->q_bulk;
+        q.sched.split_bytes = cb->q_split_bytes;
+        q.sched.split_rows = cb->q_split_rows;
         q.sched.ctas = cb->q_ctas;
         for (int j = i; j < n && q.n < DFK_QMAX; j++) {
             if (es[j]->mode != LIN_Q) continue;
@@ -1641,9 +1643,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     const char *qring = getenv("DFLASH_CUDA_QRING");
     cb->q_ring = qring && strcmp(qring, "0") == 0 ? 0 : 1;
     /* DFLASH_CUDA_QBULK=0: the ring kernel's records copied per lane (cp.async) instead of by
-     * bulk copies (the same bits) */
+     * bulk copies (the same bits); 1: bulk copies up to 4 rows; 2 (default): up to 8 rows
+     * (measured on the H200: verify passes of 6 and 7 rows 11% faster, 8 rows 4%) */
     const char *qbk = getenv("DFLASH_CUDA_QBULK");
-    cb->q_bulk = qbk && strcmp(qbk, "0") == 0 ? 0 : 1;
+    cb->q_bulk = qbk && strcmp(qbk, "0") == 0 ? 0 : (qbk && strcmp(qbk, "1") == 0 ? 1 : 2);
     /* DFLASH_CUDA_PROFILE_SKIP=name,name: commands (by their names: "linear prep", "gdn", ...)
      * that are recorded but not run, to time the rest of a step in place. The results are
      * wrong: for timing experiments only. */
@@ -1657,6 +1660,14 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->q_ctas = qct && atoi(qct) > 0 ? atoi(qct) : 0;
     const char *qsm = getenv("DFLASH_CUDA_QSMEM");
     dfk_set_qsmem(!(qsm && strcmp(qsm, "0") == 0));
+    /* DFLASH_CUDA_QSPLIT_BYTES / _ROWS: the fixed-point linears of M rows in launches of fewer
+     * rows (dfk_qsched.split_bytes, split_rows; the same bits; 0: no limit) */
+    const char *qsb = getenv("DFLASH_CUDA_QSPLIT_BYTES"), *qsr = getenv("DFLASH_CUDA_QSPLIT_ROWS");
+    /* default: launches whose input copy would take more than 150000 bytes (the down projection
+     * from 5 rows, lm_head at 16) split; measured with DFLASH_CUDA_QBULK=2: verify passes of
+     * 15 and 16 rows 7-13% faster, the drafter pass at 16 rows 14%, 9 and 13 rows 2-3% slower */
+    cb->q_split_bytes = qsb ? (atoi(qsb) > 0 ? atoi(qsb) : 0) : 150000;
+    cb->q_split_rows = qsr && atoi(qsr) > 0 ? atoi(qsr) : 0;
     const char *qsmx = getenv("DFLASH_CUDA_QSMEM_MAX"); /* bytes of input copy per CTA at most */
     if (qsmx && atol(qsmx) >= 0) dfk_set_qsmem_max((size_t)atol(qsmx));
     const char *ctas = getenv("DFLASH_CUDA_TARGET_CTAS");

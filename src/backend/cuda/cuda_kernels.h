@@ -144,7 +144,13 @@ typedef struct dfk_qsched {
     int TR, ring, ctas;
     int ring_max_m; /* > 0: the ring kernel only up to this many rows, k_lin_q above */
     int bulk;       /* ring: 1 = each warp's records streamed by bulk copies (k_lin_qb) where the
-                       prepared input fits in shared memory, 0 = per-lane cp.async (k_lin_qr) */
+                       prepared input fits in shared memory, up to 4 rows; 2 = up to 8 rows;
+                       0 = per-lane cp.async (k_lin_qr) */
+    int split_rows;  /* > 0: at most this many rows per launch (M rows in launches of nearly
+                        equal size); 0 = no limit */
+    int split_bytes; /* > 0: fewer rows per launch where the prepared input of the launch's rows
+                        would take more than this many bytes of shared memory. The same bits
+                        either way (a row's result never depends on the other rows). */
 } dfk_qsched;
 
 /* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one

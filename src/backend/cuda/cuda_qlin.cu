@@ -1152,12 +1152,18 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
 #define QB_NS 4
 #define QB_MINB 3
 
-template <int WPL>
+/* NS: stages per warp (QB_NS; 3 for two n-tiles, whose input copy is twice as large: 8 rows of
+ * 5120 columns and the rings then fit two CTAs per SM) */
+template <int WPL, int NS = QB_NS>
 struct qbulk {
     static constexpr int CB = WPL * 128;           /* code bytes of a record (32 lanes x WPL words) */
     static constexpr int STAGE = QB_C * (CB + 64); /* QB_C records' codes, then their 64-byte sb rows */
-    static constexpr int RING = QB_NS * STAGE;     /* per warp */
-    static constexpr int BYTES = 8 * RING + 8 * QB_NS * 8; /* 8 warps' rings, then their mbarriers */
+    static constexpr int RING = NS * STAGE;        /* per warp */
+    static constexpr int BYTES = 8 * RING + 8 * NS * 8; /* 8 warps' rings, then their mbarriers */
+};
+template <int NT>
+struct qb_ns {
+    static constexpr int N = NT == 1 ? QB_NS : 3;
 };
 
 static __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
@@ -1292,9 +1298,10 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
 template <int BITS, int GS, int NT, int SBF>
-__global__ void __launch_bounds__(256, QB_MINB) k_lin_qb(const __grid_constant__ qlaunch P) {
+__global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qbulk<C::WPL> B;
+    constexpr int NS = qb_ns<NT>::N;
+    typedef qbulk<C::WPL, NS> B;
     constexpr int KBG = C::KBG, WPL = C::WPL;
     __shared__ float red[8][NT * 2][32];
     extern __shared__ __align__(128) unsigned char qsm[];
@@ -1304,11 +1311,11 @@ __global__ void __launch_bounds__(256, QB_MINB) k_lin_qb(const __grid_constant__
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(qsm);
     const uint32_t ring0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(warp * B::RING);
-    const uint32_t bar0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(8 * B::RING) + (uint32_t)(warp * QB_NS * 8);
+    const uint32_t bar0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(8 * B::RING) + (uint32_t)(warp * NS * 8);
     const uint32_t zero = (uint32_t)P.ring_off - 64u; /* byte offset in qsm */
     if (threadIdx.x < 16) reinterpret_cast<uint32_t *>(qsm + P.ring_off - 64)[threadIdx.x] = 0u;
     if (lane == 0) {
-        for (int s = 0; s < QB_NS; s++) mbar_init(bar0 + (uint32_t)(8 * s), 1u);
+        for (int s = 0; s < NS; s++) mbar_init(bar0 + (uint32_t)(8 * s), 1u);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncwarp();
@@ -1317,7 +1324,7 @@ __global__ void __launch_bounds__(256, QB_MINB) k_lin_qb(const __grid_constant__
     qb_cur cur;
     if (lane == 0) {
         qb_cur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, cur);
-        for (int s = 0; s < QB_NS; s++)
+        for (int s = 0; s < NS; s++)
             qb_issue<BITS, GS>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur);
     }
     pdl_wait();
@@ -1381,7 +1388,7 @@ __global__ void __launch_bounds__(256, QB_MINB) k_lin_qb(const __grid_constant__
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 qb_issue<BITS, GS>(P, u_end, warp, st, bar, cur);
             }
-            if (++stage == QB_NS) {
+            if (++stage == NS) {
                 stage = 0;
                 parity ^= 1u;
             }
@@ -1470,7 +1477,7 @@ static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
  * rings; returns 0 (and launches nothing) when it does not. */
 template <int BITS, int GS, int NT>
 static int launch_qb(qlaunch P, unsigned units, int *st) {
-    typedef qbulk<qcfg<BITS, GS, NT, 1>::WPL> B;
+    typedef qbulk<qcfg<BITS, GS, NT, 1>::WPL, qb_ns<NT>::N> B;
     size_t in = 0;
     for (int i = 0; i < P.n; i++) {
         const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
@@ -1492,9 +1499,9 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
  * memory when it fits beside the rings. */
 template <int BITS, int GS, int NT>
 static int launch_qr(qlaunch P, unsigned units) {
-    if constexpr (NT == 1) { /* M <= 4 */
+    if constexpr (NT <= 2) { /* M <= 4; M <= 8 where P.bulk is 2 */
         int st = 0;
-        if (P.bulk && g_qsmem) {
+        if (P.bulk >= NT && g_qsmem) {
             if (launch_qb<BITS, GS, NT>(P, units, &st)) return st;
         }
     }
@@ -1540,7 +1547,46 @@ static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
 
 extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
 
+static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins);
+
+/* Rows per launch: M, or fewer where the schedule asks (dfk_qsched.split_rows, split_bytes). */
+static int q_split_chunk(int M, int gs, const dfk_qsched &sched, int n, const dfk_qlin *lins) {
+    int chunk = M;
+    if (sched.split_rows > 0 && chunk > sched.split_rows) chunk = sched.split_rows;
+    if (sched.split_bytes > 0) {
+        int cols = 0;
+        for (int i = 0; i < n; i++) cols = lins[i].cols > cols ? lins[i].cols : cols;
+        while (chunk > 1 && q_smem_bytes(chunk, cols, gs) > (size_t)sched.split_bytes) chunk--;
+    }
+    return chunk;
+}
+
 extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || gs <= 0) return (int)cudaErrorInvalidValue;
+    const int chunk = q_split_chunk(M, gs, sched, n, lins);
+    if (chunk >= M) return q_linear_launch(bits, gs, sb_bf16, M, sched, n, lins);
+    /* rows in launches of (nearly) equal size: each row's bits are those of a one-row launch
+     * either way */
+    const int parts = (M + chunk - 1) / chunk;
+    int m0 = 0;
+    for (int p = 0; p < parts; p++) {
+        const int mp = (M - m0) / (parts - p);
+        dfk_qlin part[DFK_QMAX];
+        for (int i = 0; i < n; i++) {
+            part[i] = lins[i];
+            part[i].xq = lins[i].xq + (size_t)m0 * (size_t)lins[i].cols / 2;
+            part[i].xe = lins[i].xe + (size_t)m0 * (size_t)(lins[i].cols / gs);
+            part[i].xsx = lins[i].xsx + (size_t)m0 * (size_t)(lins[i].cols / gs);
+            part[i].y = lins[i].y + (size_t)m0 * (size_t)lins[i].rows;
+        }
+        const int st = q_linear_launch(bits, gs, sb_bf16, mp, sched, n, part);
+        if (st) return st;
+        m0 += mp;
+    }
+    return 0;
+}
+
+static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
     int TR = sched.TR;
     /* the ring kernel up to ring_max_m rows, the register kernel above (same K-slices: same bits) */
     const int ring = sched.ring && (sched.ring_max_m <= 0 || M <= sched.ring_max_m) ? 1 : 0;
