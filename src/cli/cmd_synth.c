@@ -48,11 +48,18 @@ int df_cmd_synth(int argc, char **argv) {
     o.drafter = 1;
     o.seed = 1;
     static const char *const once[] = {"--config", "--out", "--tokenizer", "--no-drafter", "--seed", "--threads"};
+    /* options followed by a value, which is never the next option (see cli_is_option) */
+    static const char *const valued[] = {"--config", "--out", "--tokenizer", "--seed", "--threads"};
     int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
             if (!strcmp(argv[i], once[k]) && seen[k]++) {
                 fprintf(stderr, "dflash synth: option %s given twice\n(see 'dflash synth --help')\n", argv[i]);
+                return 2;
+            }
+        for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
+            if (!strcmp(argv[i], valued[k]) && (i + 1 >= argc || cli_is_option(argv[i + 1]))) {
+                fprintf(stderr, "dflash synth: option %s needs a value\n(see 'dflash synth --help')\n", argv[i]);
                 return 2;
             }
         if (!strcmp(argv[i], "--config") && i + 1 < argc) o.preset = argv[++i];

@@ -32,6 +32,8 @@ int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
     return CLI_EXIT_USAGE;
 }
 
+int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }
+
 cli_opt *cli_find(cli_command *cmd, const char *name) {
     for (int i = 0; i < cmd->n_opts; i++)
         if (strcmp(cmd->opts[i].name, name) == 0) return &cmd->opts[i];
@@ -149,6 +151,11 @@ int cli_parse(cli_command *cmd, int argc, char **argv) {
             v = eq + 1;
         } else {
             if (i + 1 >= argc) return cli_usage_error(cmd, "option --%s needs a value (%s)", o->name, o->metavar);
+            if (cli_is_option(argv[i + 1]))
+                return cli_usage_error(cmd,
+                                       "option --%s needs a value (%s), but '%s' follows it (a value that starts "
+                                       "with '--' is written --%s=VALUE)",
+                                       o->name, o->metavar, argv[i + 1], o->name);
             v = argv[++i];
         }
         if (o->given && o->kind != CLI_LIST) return cli_usage_error(cmd, "option --%s given twice", o->name);

@@ -172,6 +172,38 @@ def test_usage_errors_exit_2(args):
     assert p.stdout == ""
 
 
+@pytest.mark.parametrize("args,option", [
+    (["generate", "--chat", "hi", "--model", "--json"], "--model"),
+    (["generate", "--model", "--prompt", "hi"], "--model"),
+    (["generate", "--chat", "hi", "--stop", "--json"], "--stop"),
+    (["generate", "--chat", "hi", "--max-tokens", "--json"], "--max-tokens"),
+    (["tokenize", "--text", "--skip-special"], "--text"),
+    (["render", "--request", "--ids"], "--request"),
+    (["serve", "--port", "--host", "127.0.0.1"], "--port"),
+    (["serve", "--api-key", "--host", "0.0.0.0"], "--api-key"),
+    (["synth", "--out", "--config", "tiny"], "--out"),
+    (["bench", "--device", "cpu", "--model", "--ctx", "8"], "--model"),
+])
+def test_option_value_is_never_the_next_option(args, option):
+    """An option that takes a value, followed by another option, lacks its value: a usage error
+    naming it (the next option is not taken as its value)."""
+    p = run_cli(*args)
+    assert p.returncode == 2, (args, p.stdout, p.stderr)
+    assert f"{option} needs a value" in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
+def test_option_values_that_look_like_options():
+    """Negative numbers are values; a value that starts with '--' is given as --name=VALUE."""
+    p = run_cli("tokenize", *model_args(), "--text=--model")
+    assert p.returncode == 0, p.stderr
+    ids = json.loads(p.stdout)
+    p = run_cli("tokenize", *model_args(), "--decode", ",".join(map(str, ids)))
+    assert p.returncode == 0 and p.stdout.rstrip("\n") == "--model", (p.stdout, p.stderr)
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--seed", "-1", "--max-tokens", "1", "--stop=--", "--json")
+    assert p.returncode == 0, p.stderr
+
+
 def test_unknown_option_names_it():
     p = run_cli("generate", "--chat", "hi", "--frobnicate", "3")
     assert p.returncode == 2
