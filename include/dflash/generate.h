@@ -123,6 +123,12 @@ typedef struct df_gen_params {
      * Plain decoding only (df_generate_speculative rejects it). */
     const int32_t *forced_ids;
     int n_forced_ids;
+    /* Polled with the text callback's user pointer before each prefill chunk of up to 16
+     * prompt tokens (the rows of one forward pass), so that a long prompt can be abandoned
+     * within one chunk: a non-zero return ends the generation before its first token
+     * (finish_reason "cancelled", no ids). During decoding the text callback's return value
+     * serves the same purpose. NULL = prefill the whole prompt. */
+    int (*should_stop)(void *user);
 } df_gen_params;
 
 df_gen_params df_gen_params_default(void);

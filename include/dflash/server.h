@@ -125,7 +125,8 @@ const char *df_server_load_error_full(const df_server *srv);
 int df_server_port(const df_server *srv);
 
 /* Stops gracefully: no new connections are accepted; the generation in progress is
- * cancelled within one decoding round, waiting requests are answered 503, and every request
+ * cancelled within one decoding round (or one prefill chunk of 16 prompt tokens while its
+ * prompt is processed), waiting requests are answered 503, and every request
  * already begun gets its answer within a grace period of 10 s; then open connections are
  * closed and their threads joined. Safe to call twice or when not listening. */
 void df_server_stop(df_server *srv);

@@ -41,6 +41,12 @@ static int on_text(void *user, int32_t id, const char *text, size_t len) {
     return interrupted != 0;
 }
 
+/* df_gen_params.should_stop: Ctrl-C also stops a long prefill. */
+static int prefill_interrupted(void *user) {
+    (void)user;
+    return interrupted != 0;
+}
+
 static json_t *id_array(const int32_t *ids, size_t n) {
     json_t *a = json_array();
     for (size_t i = 0; a && i < n; i++) json_array_append_new(a, json_integer(ids[i]));
@@ -266,6 +272,7 @@ int cmd_generate(int argc, char **argv) {
     gp.max_tokens = max_tokens;
     for (int i = 0; i < stop.n; i++) gp.stop[i] = stop.items[i];
     gp.n_stop = stop.n;
+    gp.should_stop = prefill_interrupted;
     int speculative = ds && !no_draft && sp.temperature == 0.0f && !df_sampling_has_processors(&sp);
     if (ds && !no_draft && !speculative)
         fprintf(stderr, "dflash generate: sampling (temperature > 0) is decoded plainly; speculative decoding is greedy only\n");

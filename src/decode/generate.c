@@ -1,5 +1,5 @@
-/* The plain generation loop (include/dflash/generate.h): prefill, then one decode step per
- * token, with incremental UTF-8-safe detokenisation and stop strings that are matched
+/* The plain generation loop (include/dflash/generate.h): prefill (polling
+ * params->should_stop between chunks), then one decode step per token, with incremental UTF-8-safe detokenisation and stop strings that are matched
  * across token boundaries and never emitted. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,7 +66,9 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     df_session_reset(s);
 
     double t0 = df_now_ms();
-    df_status st = df_session_prefill(s, prompt, n_prompt, logits, err);
+    int stopped = 0;
+    df_status st = df_target_prefill(s, prompt, n_prompt, logits, params->should_stop, user, &stopped, err);
+    if (stopped) out.finish = DF_FINISH_CANCELLED;
     double t1 = df_now_ms();
     res->prompt_ms = t1 - t0;
     int cap_tokens = s->max_ctx - n_prompt;

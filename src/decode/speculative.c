@@ -278,6 +278,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
      * the tiles that hold them) */
     double t0 = df_now_ms();
     for (int i = 0; i < n_prompt && st == DF_OK; i += DF_MAX_ROWS) {
+        if (params->should_stop && params->should_stop(user)) {
+            out.finish = DF_FINISH_CANCELLED;
+            break;
+        }
         int M = n_prompt - i < DF_MAX_ROWS ? n_prompt - i : DF_MAX_ROWS;
         int last = i + M == n_prompt;
         const int in_window = i + M > n_prompt - window;
@@ -296,7 +300,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
 
     int32_t bonus = 0;
-    if (st == DF_OK) {
+    if (st == DF_OK && out.finish == DF_FINISH_NONE) {
         bonus = df_argmax(logits, V);
         st = df_textout_push(&out, bonus, df_gen_is_stop_id(eng, params, bonus), err);
         if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;

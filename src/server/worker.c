@@ -3,8 +3,9 @@
  * Server-Sent Events (OpenAI chat.completion.chunk / text_completion chunks).
  *
  * One thread runs every generation on the server's single session. A job's text callback
- * checks, once per token (so within one speculative round), whether the server is stopping
- * or the client went away (its socket polled for a hang-up), and stops the generation if so.
+ * checks, once per token (so within one speculative round), and its should_stop callback
+ * before each prefill chunk of 16 prompt tokens, whether the server is stopping or the client
+ * went away (its socket polled for a hang-up), and stops the generation if so.
  */
 #include "server/server_impl.h"
 
@@ -181,6 +182,9 @@ static int should_stop(gen_ctx *c) {
     }
     return 0;
 }
+
+/* df_gen_params.should_stop: polled between prefill chunks. */
+static int prefill_should_stop(void *user) { return should_stop(user); }
 
 /* The pending token infos as a chunk's logprobs (and clears them), or NULL when none. */
 static json_t *take_logprobs(gen_ctx *c) {
@@ -373,6 +377,7 @@ static void run_job(df_job *j) {
         gp.forced_ids = j->forced;
         gp.n_forced_ids = j->n_forced;
         gp.on_token = gp.logprobs ? on_token_info : NULL;
+        gp.should_stop = prefill_should_stop;
         df_gen_result res;
         memset(&res, 0, sizeof res);
         if (j->speculative)

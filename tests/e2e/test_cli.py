@@ -4,7 +4,9 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -82,6 +84,25 @@ def test_generate_seed_and_stop():
         s = generate_json("--chat", "Tell me a story.", "--max-tokens", "40", "--stop", stop)
         assert s["text"] == g["text"][:g["text"].find(stop)]
         assert s["finish_reason"] == "stop"
+
+
+def test_ctrl_c_interrupts_a_long_prefill():
+    """Ctrl-C while a prompt of ~3900 tokens is prefilled (seconds on the CPU) stops at the next
+    prefill chunk: no token is generated and the process exits 130 at once."""
+    ids = ",".join(str(276 + i % 50) for i in range(3900))
+    p = subprocess.Popen([DFLASH_BIN, "generate", *model_args(), "--prompt-ids", ids, "--max-tokens", "1", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env())
+    time.sleep(1.5)   # loaded (a fraction of a second) and prefilling
+    assert p.poll() is None, "the prefill ended before the test could interrupt it"
+    p.send_signal(signal.SIGINT)
+    t0 = time.time()
+    out, err = p.communicate(timeout=120)
+    elapsed = time.time() - t0
+    assert p.returncode == 130, err
+    res = json.loads(out)
+    assert res["finish_reason"] == "cancelled"
+    assert res["ids"] == []   # stopped during the prefill, before the first token
+    assert elapsed < 2.5, f"took {elapsed:.1f} s to stop"
 
 
 @pytest.mark.parametrize("text", ["Hello world", "def f(x):\n    return x * 2\n",
