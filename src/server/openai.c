@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode/textout.h"
 #include "text/jinja_internal.h"
 
 int df_api_error_set(df_api_error *e, int status, const char *type, const char *code, const char *param,
@@ -950,15 +951,46 @@ json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info)
                      "top_logprobs", top);
 }
 
-json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, size_t text_offset0) {
+/* Code points of UTF-8 text (continuation bytes are not counted). */
+static size_t utf8_chars(const char *s, size_t n) {
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++) c += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return c;
+}
+
+void df_api_text_offset_init(df_api_text_offset *o, const char *text, size_t len, int skip_special) {
+    memset(o, 0, sizeof *o);
+    o->skip_special = skip_special;
+    if (!text || !len) return;
+    json_t *t = df_json_text(text, len); /* the text as the answer carries it */
+    if (t) o->chars = utf8_chars(json_string_value(t), json_string_length(t));
+    json_decref(t);
+}
+
+/* Advances o past token id's text, decoded as the generation's text is (decode/textout.c). */
+static void text_offset_advance(df_api_text_offset *o, const df_tokenizer *tok, int32_t id) {
+    if (o->skip_special && df_tokenizer_is_special(tok, id)) return;
+    size_t n = 0;
+    const char *piece = df_tokenizer_piece(tok, id, &n);
+    if (!piece) return;
+    while (n > 0) { /* in slices, into a bounded buffer */
+        const size_t k = n < 64 ? n : 64;
+        char out[3 * (64 + 8)];
+        size_t w = df_utf8_sanitize((const unsigned char *)piece, k, o->pend, &o->n_pend, 0, out);
+        o->chars += utf8_chars(out, w);
+        piece += k;
+        n -= k;
+    }
+}
+
+json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, df_api_text_offset *off) {
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
-    size_t off = text_offset0;
     for (int i = 0; i < n; i++) {
         json_t *t, *b;
         token_text(tok, info[i].id, &t, &b);
         json_decref(b);
-        json_array_append_new(offs, json_integer((json_int_t)off));
-        if (t) off += json_string_length(t);
+        json_array_append_new(offs, json_integer((json_int_t)off->chars));
+        text_offset_advance(off, tok, info[i].id);
         json_array_append_new(tokens, t ? t : json_string(""));
         json_array_append_new(lps, logprob_value(info[i].logprob));
         json_t *top = json_object();

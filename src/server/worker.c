@@ -165,7 +165,7 @@ typedef struct gen_ctx {
     df_chat_deltas deltas;
     df_token_info *pending;   /* stream with logprobs: token infos not yet sent */
     int n_pending, cap_pending;
-    size_t text_sent;         /* completions stream: bytes sent (legacy text_offset) */
+    df_api_text_offset offset; /* completions stream: the legacy text_offset of the next token */
     int client_gone;
 } gen_ctx;
 
@@ -197,7 +197,7 @@ static json_t *take_logprobs(gen_ctx *c) {
             json_array_append_new(content, df_api_logprob_entry(tok, &c->pending[i]));
         lp = json_pack("{s:o*}", "content", content);
     } else {
-        lp = df_api_completion_logprobs(tok, c->pending, c->n_pending, c->text_sent);
+        lp = df_api_completion_logprobs(tok, c->pending, c->n_pending, &c->offset);
     }
     c->n_pending = 0;
     return lp;
@@ -252,7 +252,6 @@ static int on_text(void *user, int32_t id, const char *text, size_t len) {
     } else if (len) {
         json_t *t = df_json_text(text, len);
         json_t *lp = take_logprobs(c);
-        c->text_sent += len;
         sse_json(j, t ? chunk(j, c->index, t, lp, NULL) : NULL);
     }
     return atomic_load(&j->cancelled);
@@ -360,7 +359,7 @@ static void run_job(df_job *j) {
         sse_json(j, chunk(j, 0, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL, NULL));
     for (int i = 0; i < j->n_prompts && st == DF_OK; i++) {
         c.index = i;
-        c.text_sent = 0;
+        df_api_text_offset_init(&c.offset, j->echo[i], j->echo[i] ? strlen(j->echo[i]) : 0, j->req.gen.skip_special);
         c.n_pending = 0;
         if (stream && chat) {
             st = new_parser(j, &c.parser, &err);
@@ -368,10 +367,8 @@ static void run_job(df_job *j) {
             if (st) break;
             send_deltas(&c);
         }
-        if (stream && !chat && j->echo[i]) {
-            c.text_sent = strlen(j->echo[i]);
-            sse_json(j, chunk(j, i, df_json_text(j->echo[i], c.text_sent), NULL, NULL));
-        }
+        if (stream && !chat && j->echo[i])
+            sse_json(j, chunk(j, i, df_json_text(j->echo[i], strlen(j->echo[i])), NULL, NULL));
         df_gen_params gp = j->req.gen;
         gp.max_tokens = j->max_tokens;
         gp.forced_ids = j->forced;
@@ -414,8 +411,9 @@ static void run_job(df_job *j) {
                                          lp ? lp : json_null(), "finish_reason", finish_name(&res, calls))
                              : NULL;
             } else {
-                size_t off = j->echo[i] ? strlen(j->echo[i]) : 0;
-                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_ids, off) : NULL;
+                df_api_text_offset off;
+                df_api_text_offset_init(&off, j->echo[i], j->echo[i] ? strlen(j->echo[i]) : 0, j->req.gen.skip_special);
+                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_ids, &off) : NULL;
                 jbuf t = {0};
                 if (jbuf_puts(&t, j->echo[i] ? j->echo[i] : "") || jbuf_put(&t, res.text ? res.text : "", res.text_len))
                     choice = NULL;

@@ -426,6 +426,29 @@ def test_completions_logprobs_legacy_shape(server):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_completions_text_offset_indexes_the_text(server):
+    """text_offset counts characters of the returned text: a token that only begins a
+    multi-byte character points at that character, and no offset passes the end; streamed
+    chunks carry the same offsets."""
+    body = {"prompt": "x", "temperature": 0, "logprobs": 1, "dflash_forced_output": "héllo wörld 🙂"}
+    for max_tokens in (6, 9, 40):
+        r = post(server.url, "/v1/completions", {**body, "max_tokens": max_tokens})
+        c = r.json()["choices"][0]
+        text, offs = c["text"], c["logprobs"]["text_offset"]
+        assert offs == sorted(offs) and all(0 <= o <= len(text) for o in offs), (text, offs)
+        if max_tokens == 6:
+            assert text == "héllo w"
+            assert offs == [0, 1, 1, 2, 3, 5]   # 'h', the two halves of 'é', 'l', 'lo', ' w'
+        # each whole-character token's text stands at its offset (special tokens add no text)
+        for tok, o in zip(c["logprobs"]["tokens"], offs):
+            if "\ufffd" not in tok and not (tok.startswith("<|") and tok.endswith("|>")):
+                assert text[o:o + len(tok)] == tok, (tok, o, text)
+        _, events = stream(server.url, {**body, "max_tokens": max_tokens, "stream": True}, path="/v1/completions")
+        soffs = [o for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+                 for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert soffs == offs
+
+
 def test_logit_bias_forces_and_bans(server):
     base = {"messages": msgs("Hello"), "max_tokens": 5, "temperature": 0}
     forced = chat(server.url, {**base, "logit_bias": {"1300": 100}, "logprobs": True})[0]
