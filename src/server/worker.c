@@ -257,9 +257,11 @@ static int on_text(void *user, int32_t id, const char *text, size_t len) {
     return atomic_load(&j->cancelled);
 }
 
+/* The OpenAI finish_reason: "length" whenever the token limit (max_tokens, the context) cut
+ * the output, even after complete tool calls; else "tool_calls" when there are some. */
 static const char *finish_name(const df_gen_result *res, int tool_calls) {
-    if (tool_calls > 0) return "tool_calls";
-    return res->finish == DF_FINISH_LENGTH ? "length" : "stop";
+    if (res->finish == DF_FINISH_LENGTH) return "length";
+    return tool_calls > 0 ? "tool_calls" : "stop";
 }
 
 static df_status new_parser(const df_job *j, df_chat_parser **p, df_error *err) {

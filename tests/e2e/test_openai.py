@@ -236,14 +236,14 @@ def test_tool_call_named_choice_with_logit_bias(server):
     full, h = chat(server.url, body)
     assert h["x-dflash"] == "fallback; reason=logit_bias"
     choice = full["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
+    assert choice["finish_reason"] == "length"   # the call is whole, but max_tokens ended the output
     assert choice["message"]["content"] is None
     calls = message_calls(choice["message"])
     assert len(calls) == 1 and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {}
     assert calls[0]["id"].startswith("call_")
     _, events = stream(server.url, body)
     _, content, _, scalls, finish, _ = assemble(events)
-    assert scalls == calls and finish == "tool_calls" and content == ""   # same ids: same seed
+    assert scalls == calls and finish == "length" and content == ""   # same ids: same seed
 
 
 def test_tool_calls_streamed_arguments_equal(server):
@@ -272,6 +272,29 @@ def test_tool_calls_streamed_arguments_equal(server):
                                          temperature=0, seed=3, extra_body=extra)
     assert [(c.function.name, c.function.arguments) for c in sdk.choices[0].message.tool_calls] == \
         [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_tool_calls_cut_by_max_tokens_finish_with_length(server):
+    """A complete call followed by one that max_tokens cuts: the complete one is a tool call,
+    the unfinished rest stays content, and finish_reason is "length", streamed and not."""
+    forced = ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+              "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>" + IM_END)
+    body = {"messages": msgs("Time and weather?"), "tools": TOOLS, "temperature": 0, "seed": 3,
+            "dflash_forced_output": forced}
+    whole, _ = chat(server.url, {**body, "max_tokens": 200})
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(whole["choices"][0]["message"]["tool_calls"]) == 2
+    n = whole["usage"]["completion_tokens"]
+    cut, _ = chat(server.url, {**body, "max_tokens": n - 6})
+    c = cut["choices"][0]
+    assert cut["usage"]["completion_tokens"] == n - 6
+    assert c["finish_reason"] == "length"
+    assert [x["name"] for x in message_calls(c["message"])] == ["get_time"]
+    assert "<tool_call>" in c["message"]["content"]   # the unfinished second call
+    _, events = stream(server.url, {**body, "max_tokens": n - 6})
+    _, content, _, scalls, finish, _ = assemble(events)
+    assert finish == "length" and [x["name"] for x in scalls] == ["get_time"]
+    assert content == c["message"]["content"]
 
 
 def test_tool_call_json_form_and_none(server):
