@@ -90,9 +90,12 @@ typedef struct df_sampler {
 void df_sampler_init(df_sampler *s, const df_sampling_params *p);
 void df_sampler_free(df_sampler *s);
 /* Picks a token from logits[n_vocab] (logits are not modified). Greedy when temperature
- * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p. */
+ * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p.
+ * Returns -1 when the logits are not usable (a NaN among them, or an infinite maximum: a
+ * broken pack or computation), as df_argmax. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
-/* argmax over logits[n]; lowest index wins ties. */
+/* argmax over logits[n]; lowest index wins ties. -1 when a logit is NaN or the maximum is
+ * infinite (checked during the same scan). */
 int32_t df_argmax(const float *logits, int n);
 
 typedef enum df_finish_reason {
@@ -162,7 +165,8 @@ void df_gen_result_free(df_gen_result *r);
 
 /* Generates from prompt ids with a session of eng (the session is reset first).
  * Errors: DF_ERR_RANGE when the prompt does not fit the session's context,
- * DF_ERR_INVALID_ARG for bad ids or params; the result is filled even when stopped early. */
+ * DF_ERR_INVALID_ARG for bad ids or params, DF_ERR_NUMERIC when the model's logits for a
+ * token are not finite (NaN, infinite maximum); the result is filled even when stopped early. */
 df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const df_gen_params *params,
                       df_gen_callback cb, void *user, df_gen_result *res, df_error *err);
 

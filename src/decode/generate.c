@@ -26,6 +26,13 @@ int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id) 
     return 0;
 }
 
+df_status df_gen_non_finite(df_error *err, int index) {
+    return df_error_set(err, DF_ERR_NUMERIC,
+                        "the model produced non-finite logits (NaN or infinity) for generated token %d: the pack's "
+                        "weights or the computation are broken",
+                        index);
+}
+
 const char *df_finish_reason_name(df_finish_reason r) {
     switch (r) {
     case DF_FINISH_STOP: return "stop";
@@ -78,6 +85,10 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
         if (processors)
             df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
         int32_t id = df_sampler_sample(&sm, logits, V);
+        if (id < 0) {
+            st = df_gen_non_finite(err, out.n_ids);
+            break;
+        }
         if (out.n_ids < params->n_forced_ids && params->forced_ids[out.n_ids] >= 0 &&
             params->forced_ids[out.n_ids] < V)
             id = params->forced_ids[out.n_ids];

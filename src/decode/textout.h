@@ -43,6 +43,10 @@ void df_textout_finish(df_textout *o, df_gen_result *res);
 size_t df_utf8_sanitize(const unsigned char *src, size_t n, unsigned char pend[8], int *n_pend, int final,
                         char *dst);
 
+/* The error of a token whose logits were not finite (df_argmax / df_sampler_sample gave -1):
+ * DF_ERR_NUMERIC naming the generated token's index. */
+df_status df_gen_non_finite(df_error *err, int index);
+
 /* 1 if id ends generation: an EOS id of the pack or one of p->stop_ids. */
 int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id);
 

@@ -63,7 +63,8 @@ df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *log
 
 /* As df_target_forward_rows, but instead of logits returns argmax[M] (host): the greedy token
  * after each row, computed where the logits are (backend argmax op), so a device backend
- * copies M ids instead of M x vocab floats. Same errors. */
+ * copies M ids instead of M x vocab floats; -1 for a row whose logits are not finite (the
+ * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
 #endif

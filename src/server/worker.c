@@ -451,7 +451,7 @@ static void run_job(df_job *j) {
         if (st == DF_ERR_RANGE || st == DF_ERR_INVALID_ARG)
             fail_job(j, 400, "invalid_request_error", "invalid_value", msg);
         else
-            fail_job(j, 500, "server_error", NULL, msg);
+            fail_job(j, 500, "server_error", st == DF_ERR_NUMERIC ? "non_finite_logits" : NULL, msg);
         return;
     }
     if (stream) {

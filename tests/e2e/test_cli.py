@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, nan_pack, run_cli, tokenize
 
 DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
                  "--draft-always", "--draft-window", "--draft-quant", "--no-draft"]
@@ -103,6 +103,17 @@ def test_ctrl_c_interrupts_a_long_prefill():
     assert res["finish_reason"] == "cancelled"
     assert res["ids"] == []   # stopped during the prefill, before the first token
     assert elapsed < 2.5, f"took {elapsed:.1f} s to stop"
+
+
+def test_non_finite_logits_fail_generation(tmp_path):
+    """A pack whose logits are NaN fails with a message and exit status 1, plain, sampled and
+    speculative, instead of generating token 0 over and over."""
+    pack = nan_pack(tmp_path / "nan")
+    for extra in ([], ["--temperature", "0.8", "--seed", "1"], ["--drafter", DRAFTER]):
+        p = run_cli("generate", "--model", pack, "--prompt", "hi", "--max-tokens", "3", "--json", *extra)
+        assert p.returncode == 1, (extra, p.stdout, p.stderr)
+        assert p.stdout == ""
+        assert "non-finite logits" in p.stderr
 
 
 @pytest.mark.parametrize("text", ["Hello world", "def f(x):\n    return x * 2\n",

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize
 
 PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "What is 2+2?", "class Stack:",
            "for i in range(10):", "Tell me a story."]
@@ -462,6 +462,24 @@ def test_client_disconnect_during_long_prefill():
         end = [l for l in s.log_text().splitlines() if "POST /v1/completions 499" in l]
         assert "completion=0 " in end[0], end[0]
         assert elapsed < 3, f"took {elapsed:.1f} s to notice"
+        check_clean_exit(s)
+
+
+def test_non_finite_logits_are_an_engine_error(tmp_path):
+    """A pack whose logits are NaN: completions fail with 500 and an OpenAI error object (a
+    stream with an error event), never with tokens; the server keeps serving."""
+    with Server("--drafter", DRAFTER, model=nan_pack(tmp_path / "nan")) as s:
+        for fields in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}, {"temperature": 0, "logprobs": True}):
+            r = requests.post(s.url + "/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields})
+            err = assert_error(r, 500, "non_finite_logits")
+            assert "non-finite logits" in err["message"] and err["type"] == "server_error"
+        r = requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 3, "stream": True})
+        events = [l[6:] for l in r.text.splitlines() if l.startswith("data: ")]
+        assert events and "non-finite logits" in json.loads(events[-1])["error"]["message"]
+        assert "data: [DONE]" not in r.text and '"text"' not in r.text
+        assert requests.get(s.url + "/health", timeout=10).status_code == 200
+        assert " 500 " in s.log_text()
         check_clean_exit(s)
 
 
