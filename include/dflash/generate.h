@@ -115,10 +115,15 @@ typedef struct df_gen_params {
     int skip_special;                 /* drop special tokens from the text (default 1) */
     int32_t stop_ids[DF_MAX_STOP];    /* extra token ids that end generation like EOS */
     int n_stop_ids;
-    int logprobs;                     /* 1: compute df_token_info for every generated token */
+    /* 1: compute df_token_info for the generated tokens whose text is (at least partly) in the
+     * returned text: every token, except that a matched stop string's tokens (those whose
+     * text begins where the stop string does, or later) are left out, as llama.cpp does */
+    int logprobs;
     int top_logprobs;                 /* 0..DF_MAX_TOP_LOGPROBS alternatives per token */
-    /* called for each generated token (before its text reaches the text callback) when
-     * logprobs is on; non-zero return stops generation like the text callback */
+    /* called with those token infos, in order, when logprobs is on: just before the text
+     * callback that carries text from the token on (a token whose text is held back because
+     * it might begin a stop string waits for it), or at the end for tokens without text (EOS);
+     * a non-zero return stops generation like the text callback */
     int (*on_token)(void *user, const df_token_info *info);
     /* Test hook (the server's --test-hooks): the first n_forced_ids generated tokens are these
      * ids instead of the sampled ones; the model still runs every step and everything after
@@ -158,7 +163,10 @@ typedef struct df_gen_result {
      * drafter context update (with df_spec_params.phase_sync off, work still queued on the
      * device at a phase's end is counted in the next phase) */
     double draft_ms, verify_ms, settle_ms, context_ms;
-    df_token_info *token_info; /* [n_ids] when params->logprobs, else NULL */
+    /* [n_token_info] when params->logprobs, else NULL: the tokens of ids whose text is in
+     * text (all of ids[0..n_token_info), which is n_ids unless a stop string matched) */
+    df_token_info *token_info;
+    int n_token_info;
 } df_gen_result;
 
 void df_gen_result_free(df_gen_result *r);

@@ -97,7 +97,6 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
             df_token_info_compute(&info, logits, V, id, params->top_logprobs);
             st = df_textout_token_info(&out, &info, err);
             if (st != DF_OK) break;
-            if (out.finish != DF_FINISH_NONE) break;
         }
         st = df_textout_push(&out, id, df_gen_is_stop_id(eng, params, id), err);
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;

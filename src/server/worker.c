@@ -405,7 +405,7 @@ static void run_job(df_job *j) {
                 json_t *lp = NULL;
                 if (res.token_info) {
                     json_t *content = json_array();
-                    for (int k = 0; content && k < res.n_ids; k++)
+                    for (int k = 0; content && k < res.n_token_info; k++)
                         json_array_append_new(content, df_api_logprob_entry(tok, &res.token_info[k]));
                     lp = json_pack("{s:o*}", "content", content);
                 }
@@ -415,7 +415,7 @@ static void run_job(df_job *j) {
             } else {
                 df_api_text_offset off;
                 df_api_text_offset_init(&off, j->echo[i], j->echo[i] ? strlen(j->echo[i]) : 0, j->req.gen.skip_special);
-                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_ids, &off) : NULL;
+                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_token_info, &off) : NULL;
                 jbuf t = {0};
                 if (jbuf_puts(&t, j->echo[i] ? j->echo[i] : "") || jbuf_put(&t, res.text ? res.text : "", res.text_len))
                     choice = NULL;

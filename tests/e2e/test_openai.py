@@ -472,6 +472,33 @@ def test_completions_text_offset_indexes_the_text(server):
         assert soffs == offs
 
 
+@pytest.mark.parametrize("stop,content,tokens", [("lo w", "hel", ["he", "l"]), ("llo", "he", ["he"]),
+                                                 ("he", "", []), ("xyz", "hello world", None)])
+def test_logprobs_end_with_the_returned_text(server, stop, content, tokens):
+    """Logprobs cover the tokens whose text is (at least partly) in the returned text: a matched
+    stop string's tokens are left out, streamed and not, chat and completions; usage still
+    counts every generated token."""
+    base = {"temperature": 0, "stop": stop, "dflash_forced_output": "hello world" + IM_END}
+    r = post(server.url, "/v1/completions", {**base, "prompt": "x", "max_tokens": 12, "logprobs": 1}).json()
+    c = r["choices"][0]
+    assert c["text"] == content
+    got = c["logprobs"]["tokens"]
+    if tokens is None:   # no stop string matched: every token, the end-of-text one included
+        assert "".join(got[:-1]) == content and len(got) == r["usage"]["completion_tokens"]
+    else:
+        assert got == tokens
+        assert r["usage"]["completion_tokens"] > len(tokens)   # the stop string's tokens were generated
+    assert all(o <= len(content) for o in c["logprobs"]["text_offset"])
+    _, events = stream(server.url, {**base, "prompt": "x", "max_tokens": 12, "logprobs": 1}, path="/v1/completions")
+    assert [t for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+            for t in e["choices"][0]["logprobs"]["tokens"]] == got
+    ch = chat(server.url, {**base, "messages": msgs("x"), "max_tokens": 12, "logprobs": True})[0]
+    assert [e["token"] for e in ch["choices"][0]["logprobs"]["content"]] == got
+    _, events = stream(server.url, {**base, "messages": msgs("x"), "max_tokens": 12, "logprobs": True})
+    assert [x["token"] for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]
+            for x in e["choices"][0]["logprobs"]["content"]] == got
+
+
 def test_logit_bias_forces_and_bans(server):
     base = {"messages": msgs("Hello"), "max_tokens": 5, "temperature": 0}
     forced = chat(server.url, {**base, "logit_bias": {"1300": 100}, "logprobs": True})[0]
