@@ -171,6 +171,12 @@ typedef struct df_gen_result {
 
 void df_gen_result_free(df_gen_result *r);
 
+/* Decode speed in tokens per second: the tokens generated after the first of each
+ * generation (the first comes from the prefill's logits and costs no decode step) over
+ * decode_ms (df_gen_result.decode_ms, summed likewise); 0 when there are none. For one
+ * result: df_decode_tokens_per_second(r->n_ids - 1, r->decode_ms). */
+double df_decode_tokens_per_second(int tokens_after_first, double decode_ms);
+
 /* Generates from prompt ids with a session of eng (the session is reset first).
  * Errors: DF_ERR_RANGE when the prompt does not fit the session's context,
  * DF_ERR_INVALID_ARG for bad ids or params, DF_ERR_NUMERIC when the model's logits for a

@@ -300,7 +300,7 @@ int cmd_generate(int argc, char **argv) {
         double pms = res.prompt_ms, dms = res.decode_ms;
         fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s%s\n",
                 res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
-                dms > 0 ? res.n_ids * 1e3 / dms : 0.0, df_finish_reason_name(res.finish),
+                df_decode_tokens_per_second(res.n_ids - 1, dms), df_finish_reason_name(res.finish),
                 speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }

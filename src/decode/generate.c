@@ -26,6 +26,10 @@ int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id) 
     return 0;
 }
 
+double df_decode_tokens_per_second(int tokens_after_first, double decode_ms) {
+    return tokens_after_first > 0 && decode_ms > 0 ? tokens_after_first * 1000.0 / decode_ms : 0.0;
+}
+
 df_status df_gen_non_finite(df_error *err, int index) {
     return df_error_set(err, DF_ERR_NUMERIC,
                         "the model produced non-finite logits (NaN or infinity) for generated token %d: the pack's "

@@ -904,11 +904,11 @@ json_t *df_api_usage(int prompt_tokens, int completion_tokens) {
                      "total_tokens", prompt_tokens + completion_tokens);
 }
 
-json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative) {
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int n_after_first, int speculative) {
     double pms = res->prompt_ms, dms = res->decode_ms;
     json_t *t = json_pack("{s:i, s:f, s:f, s:i, s:f, s:f}", "prompt_n", n_prompt, "prompt_ms", pms,
                           "prompt_per_second", pms > 0 ? n_prompt * 1000.0 / pms : 0.0, "predicted_n", res->n_ids,
-                          "predicted_ms", dms, "predicted_per_second", dms > 0 ? res->n_ids * 1000.0 / dms : 0.0);
+                          "predicted_ms", dms, "predicted_per_second", df_decode_tokens_per_second(n_after_first, dms));
     if (t && speculative) {
         json_object_set_new(t, "draft_rounds", json_integer(res->draft_rounds));
         json_object_set_new(t, "draft_n", json_integer(res->draft_n));

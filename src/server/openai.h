@@ -83,9 +83,10 @@ json_t *df_json_text(const char *text, size_t len);
 json_t *df_api_usage(int prompt_tokens, int completion_tokens);
 
 /* llama.cpp's timings: prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms,
- * predicted_per_second, and with speculative decoding draft_rounds, draft_n,
- * draft_n_accepted, plain_steps (rounds decoded as plain steps), draft_ms, verify_ms. */
-json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative);
+ * predicted_per_second (df_decode_tokens_per_second of n_after_first, the tokens after the
+ * first of each generation summed in res), and with speculative decoding draft_rounds,
+ * draft_n, draft_n_accepted, plain_steps (rounds decoded as plain steps), draft_ms, verify_ms. */
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int n_after_first, int speculative);
 
 /* One chat logprobs entry {"token", "logprob", "bytes", "top_logprobs": [...]} for info. */
 json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info);

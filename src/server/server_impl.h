@@ -43,7 +43,7 @@ typedef struct df_metrics {
     uint64_t prompt_tokens, generated_tokens;
     uint64_t draft_rounds, draft_n, draft_accepted, plain_steps;
     uint64_t speculative, plain, errors, cancelled;
-    double last_tps;       /* decode tok/s of the last generation */
+    double last_tps;       /* decode tok/s of the last generation of 2 tokens or more */
     double gen_seconds;    /* generation wall time, summed */
     double draft_seconds, verify_seconds; /* speculative rounds: drafter and verify passes, summed */
     double avg_job_s;      /* running mean of a job's time (for Retry-After) */
@@ -96,6 +96,7 @@ struct df_server_stream {
     json_t *body;                 /* non-streamed answer (or error object) */
     int retry_after;
     int prompt_tokens, completion_tokens;
+    int decoded_tokens;           /* completion tokens after the first of each prompt (decode speed) */
     const char *finish;
     double prompt_ms, decode_ms;
     int draft_rounds, draft_n, draft_accepted, plain_steps;

@@ -321,6 +321,7 @@ static void fail_job(df_job *j, int status, const char *type, const char *code, 
 static void add_result(df_job *j, const df_gen_result *res) {
     j->prompt_tokens += res->n_prompt;
     j->completion_tokens += res->n_ids;
+    if (res->n_ids > 1) j->decoded_tokens += res->n_ids - 1;
     j->prompt_ms += res->prompt_ms;
     j->decode_ms += res->decode_ms;
     j->draft_rounds += res->draft_rounds;
@@ -344,7 +345,7 @@ static json_t *job_timings(const df_job *j) {
     sum.plain_steps = j->plain_steps;
     sum.draft_ms = j->draft_ms;
     sum.verify_ms = j->verify_ms;
-    return df_api_timings(&sum, j->prompt_tokens, j->speculative);
+    return df_api_timings(&sum, j->prompt_tokens, j->decoded_tokens, j->speculative);
 }
 
 static void run_job(df_job *j) {
@@ -544,7 +545,7 @@ void *df_worker_main(void *arg) {
 void df_job_log_end(df_job *j, int status) {
     df_server *srv = j->srv;
     double total_ms = df_ms_since(&j->t0);
-    double tps = j->decode_ms > 0 ? j->completion_tokens * 1000.0 / j->decode_ms : 0.0;
+    double tps = df_decode_tokens_per_second(j->decoded_tokens, j->decode_ms);
     df_metrics *m = &srv->metrics;
     df_metrics_request(m, j->route, status);
     pthread_mutex_lock(&m->lock);
@@ -560,7 +561,7 @@ void df_job_log_end(df_job *j, int status) {
     else m->plain++;
     if (status >= 400 && status != 499) m->errors++;
     if (status == 499) m->cancelled++;
-    if (j->completion_tokens > 0) m->last_tps = tps;
+    if (j->decoded_tokens > 0) m->last_tps = tps;
     m->gen_seconds += (j->prompt_ms + j->decode_ms) / 1000.0;
     m->avg_job_s = m->avg_job_s > 0 ? 0.8 * m->avg_job_s + 0.2 * total_ms / 1000.0 : total_ms / 1000.0;
     pthread_mutex_unlock(&m->lock);

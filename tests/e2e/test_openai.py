@@ -579,6 +579,28 @@ def test_metrics(server):
     assert after["dflash_queue_depth"] == 0 and after["dflash_model_loaded"] == 1
 
 
+def test_decode_speed_counts_the_tokens_after_the_first(server):
+    """predicted_per_second, the log's tok/s and dflash_tokens_per_second are the tokens after
+    the first (which the prefill gives) over predicted_ms: 0 for a single token, and a single
+    token leaves the gauge as the last real generation set it."""
+    base = {"messages": msgs("Hello"), "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}}
+    many, _ = chat(server.url, {**base, "max_tokens": 6})
+    t = many["timings"]
+    assert t["predicted_n"] == 6
+    assert abs(t["predicted_per_second"] - 5 * 1000.0 / t["predicted_ms"]) < 1e-6 * t["predicted_per_second"]
+    gauge = metrics(server.url)["dflash_tokens_per_second"]
+    assert abs(gauge - t["predicted_per_second"]) < 1e-3 * gauge
+    one, _ = chat(server.url, {**base, "max_tokens": 1})
+    assert one["timings"]["predicted_n"] == 1 and one["timings"]["predicted_per_second"] == 0
+    assert metrics(server.url)["dflash_tokens_per_second"] == gauge
+    _, events = stream(server.url, {**base, "max_tokens": 1})
+    assert [e for e in events if e != "[DONE]" and "timings" in e][0]["timings"]["predicted_per_second"] == 0
+    last = [l for l in server.log_text().splitlines() if "POST /v1/chat/completions 200" in l][-1]
+    assert " completion=1 " in last and " 0.0 tok/s" in last, last
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1")
+    assert p.returncode == 0 and "generated 1 tokens in" in p.stderr and "(0.0 tok/s)" in p.stderr, p.stderr
+
+
 # ---- queue, cancellation, shutdown ------------------------------------------------------
 
 def test_full_queue_answers_503():
