@@ -519,15 +519,19 @@ static int route_completion(df_server *srv, const df_http_request *req, df_route
     }
     log_arrival(srv, j);
     resp->x_dflash = j->x_dflash;
-    if (j->req.stream) {
+    /* This connection's own thread waits: for a stream, until its generation starts (then the
+     * 200 headers go and the events follow) or the job ends without starting (turned away at
+     * shutdown: a JSON error with its real status); otherwise until the answer is complete. */
+    pthread_mutex_lock(&j->lock);
+    while (!j->finished && !(j->req.stream && j->started)) pthread_cond_wait(&j->cond, &j->lock);
+    const int streaming = j->req.stream && j->started;
+    pthread_mutex_unlock(&j->lock);
+    if (streaming) {
         resp->status = 200;
         resp->content_type = "text/event-stream; charset=utf-8";
         resp->stream = j; /* the handler's reference passes to the stream */
         return 1;
     }
-    pthread_mutex_lock(&j->lock);
-    while (!j->finished) pthread_cond_wait(&j->cond, &j->lock);
-    pthread_mutex_unlock(&j->lock);
     resp->retry_after = j->retry_after;
     json_t *body = j->body;
     j->body = NULL;

@@ -87,6 +87,8 @@ struct df_server_stream {
     jbuf out;                     /* stream: SSE bytes not yet read */
     size_t out_pos;               /* bytes of out already read */
     int finished;                 /* the worker is done (out complete / result set) */
+    int started;                  /* the worker began its generation: a stream's 200 may go; a
+                                   * job that ends before (shutdown, queue) answers in JSON */
     atomic_int cancelled;         /* the client went away */
     int client_fd;                /* dup of the client's socket, or -1 */
     char id[48];

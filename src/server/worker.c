@@ -303,12 +303,13 @@ static void finish_job(df_job *j, int status) {
     pthread_mutex_unlock(&j->lock);
 }
 
-/* Ends a job with an error: a JSON error body, or an error event in a stream. */
+/* Ends a job with an error: a JSON error body (with its HTTP status), or an error event in a
+ * stream that has started (its 200 went out). */
 static void fail_job(df_job *j, int status, const char *type, const char *code, const char *msg) {
     df_api_error e;
     df_api_error_set(&e, status, type, code, NULL, "%s", msg);
     snprintf(j->note, sizeof j->note, "%s", msg);
-    if (j->req.stream) {
+    if (j->req.stream && j->started) {
         sse_json(j, df_api_error_json(&e));
     } else {
         json_decref(j->body);
@@ -351,6 +352,10 @@ static json_t *job_timings(const df_job *j) {
 static void run_job(df_job *j) {
     df_server *srv = j->srv;
     const int stream = j->req.stream, chat = is_chat(j);
+    pthread_mutex_lock(&j->lock); /* admitted: a stream's answer is a 200 stream from now on */
+    j->started = 1;
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
     const df_tokenizer *tok = df_engine_tokenizer(srv->eng);
     json_t *choices = json_array();
     gen_ctx c;

@@ -693,6 +693,39 @@ def test_shutdown_during_stream():
         assert "stopped" in s.log_text()
 
 
+def test_queued_stream_turned_away_at_shutdown_gets_503():
+    """A streamed request still waiting in the queue has no answer yet: at shutdown it gets a
+    real 503 JSON error (the 200 and the events come only once its generation starts)."""
+    with Server() as s:
+        long_req = {"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0,
+                    "logit_bias": {"1984": -100, "1986": -100}, "stream": True}
+        r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60, json=long_req)
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")   # the long generation runs
+        queued = {}
+
+        def wait_in_queue():
+            q = requests.post(s.url + "/v1/completions", timeout=60,
+                              json={"prompt": "x", "max_tokens": 4, "stream": True})
+            queued.update(status=q.status_code, headers=q.headers, text=q.text)
+        t = threading.Thread(target=wait_in_queue)
+        t.start()
+        deadline = time.time() + 30
+        while metrics(s.url)["dflash_queue_depth"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert queued["status"] == 503, queued
+        assert queued["headers"]["Content-Type"].startswith("application/json")
+        assert int(queued["headers"]["Retry-After"]) >= 1
+        assert json.loads(queued["text"])["error"]["code"] == "shutting_down"
+        rest = [x.decode() for x in lines if x]
+        assert rest and "shutting down" in rest[-1]   # the running stream ends with an error event
+        assert s.proc.wait(60) == 0
+        assert s.log_text().count(" 503 ") >= 2
+
+
 def test_load_failure_exits_1(tmp_path):
     p = run_cli("serve", "--port", "0", "--model", str(tmp_path))
     assert p.returncode == 1
