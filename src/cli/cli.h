@@ -22,6 +22,7 @@ typedef enum cli_kind {
     CLI_STR,      /* const char ** */
     CLI_INT,      /* int *, within [lo, hi] */
     CLI_FLOAT,    /* float *, within [lo, hi] */
+    CLI_FLOAT_GT, /* float *, within (lo, hi]: above lo (as the server's top_p) */
     CLI_U64,      /* uint64_t * */
     CLI_SIZE,     /* size_t *, within [lo, hi] */
     CLI_FLAG,     /* int *, set to 1; takes no value */

@@ -128,7 +128,7 @@ int cmd_generate(int argc, char **argv) {
         {"prompt-ids", "IDS", CLI_STR, &prompt_ids, "none", "prompt as comma-separated token ids (1,2,3)", 0, 0, 0},
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "with --chat / --messages: thinking on unless the request says otherwise", 0, 0, 0},
         {"temperature", "F", CLI_FLOAT, &sp.temperature, "0 (greedy)", "sampling temperature, 0 = greedy", 0, 2, 0},
-        {"top-p", "F", CLI_FLOAT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass", 1e-6, 1, 0},
+        {"top-p", "F", CLI_FLOAT_GT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass, in (0, 1]", 0, 1, 0},
         {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 = off", 0, 1 << 30, 0},
         {"min-p", "F", CLI_FLOAT, &sp.min_p, "the pack's generation_config.json, else 0 (off)", "drop tokens below F x the top probability", 0, 1, 0},
         {"seed", "N", CLI_U64, &sp.seed, "from the clock", "random seed (same seed, same output)", 0, 0, 0},

@@ -58,12 +58,17 @@ static int bad_value(const cli_command *cmd, const cli_opt *o, const char *v, co
     return cli_usage_error(cmd, "invalid value '%s' for --%s: %s", v, o->name, why);
 }
 
-static int in_range(const cli_opt *o, double x) { return (o->lo == 0 && o->hi == 0) || (x >= o->lo && x <= o->hi); }
+static int in_range(const cli_opt *o, double x) {
+    if (o->lo == 0 && o->hi == 0) return 1;
+    return (o->kind == CLI_FLOAT_GT ? x > o->lo : x >= o->lo) && x <= o->hi;
+}
 
 static int range_error(const cli_command *cmd, const cli_opt *o, const char *v) {
     char why[96];
-    if (o->kind == CLI_INT)
+    if (o->kind == CLI_INT || o->kind == CLI_SIZE)
         snprintf(why, sizeof why, "expected an integer from %lld to %lld", (long long)o->lo, (long long)o->hi);
+    else if (o->kind == CLI_FLOAT_GT)
+        snprintf(why, sizeof why, "expected a number above %g and at most %g", o->lo, o->hi);
     else
         snprintf(why, sizeof why, "expected a number from %g to %g", o->lo, o->hi);
     return bad_value(cmd, o, v, why);
@@ -113,7 +118,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         *(uint64_t *)o->dest = (uint64_t)x;
         return 0;
     }
-    case CLI_FLOAT: {
+    case CLI_FLOAT:
+    case CLI_FLOAT_GT: {
         double x = strtod(v, &end);
         if (errno || end == v || *end || !isfinite(x)) return bad_value(cmd, o, v, "expected a number");
         if (!in_range(o, x)) return range_error(cmd, o, v);

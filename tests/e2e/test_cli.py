@@ -242,6 +242,29 @@ def test_option_values_that_look_like_options():
     assert p.returncode == 0, p.stderr
 
 
+def test_readme_lists_every_generate_and_serve_option():
+    """The README's Generate and Serve sections name every option their --help lists."""
+    readme = (SOURCE_DIR / "README.md").read_text()
+    sections = {"generate": readme.split("### Generate", 1)[1].split("### Render", 1)[0],
+                "serve": readme.split("### Serve", 1)[1].split("Endpoints:", 1)[0]}
+    for command, text in sections.items():
+        for option in COMMAND_OPTIONS[command]:
+            if option != "--help":
+                assert f"`{option}" in text, (command, option)
+
+
+def test_top_p_range_matches_the_server():
+    """--top-p takes (0, 1] like the server's top_p; a size limit's error prints an integer."""
+    for v in ("0", "-0.5", "1.5"):
+        p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
+        assert p.returncode == 2 and "above 0 and at most 1" in p.stderr, (v, p.stderr)
+    for v in ("1e-7", "1"):
+        p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
+        assert p.returncode == 0, (v, p.stderr)
+    p = run_cli("serve", "--max-body", "99999999999")
+    assert p.returncode == 2 and "from 1024 to 1073741824" in p.stderr, p.stderr
+
+
 def test_unknown_option_names_it():
     p = run_cli("generate", "--chat", "hi", "--frobnicate", "3")
     assert p.returncode == 2
