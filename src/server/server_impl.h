@@ -142,6 +142,7 @@ struct df_server {
     uint64_t id_seed;
     time_t created;
     void *daemon;                 /* struct MHD_Daemon * while listening */
+    void *watch;                  /* http.c's watch of the connections' request deadlines */
     int bound_port;
     df_metrics metrics;
 };

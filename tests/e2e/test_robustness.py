@@ -376,6 +376,83 @@ def test_slow_loris_headers(srv):
     s.close()
 
 
+def trickle(sock, data, every):
+    """Sends data one byte at a time, `every` seconds apart, until the server answers or
+    closes; returns (what came back, seconds taken)."""
+    t0 = time.time()
+    sock.settimeout(every)
+    out = b""
+    for b in data:
+        try:
+            sock.sendall(bytes([b]))
+        except OSError:
+            break
+        try:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        except socket.timeout:
+            continue
+        except OSError:
+            break
+    sock.settimeout(10)
+    try:   # the rest of an answer, up to the close
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    except OSError:
+        pass
+    return out, time.time() - t0
+
+
+def test_slow_senders_get_a_deadline():
+    """Clients that keep sending, too slowly, have --request-timeout to deliver a request (the
+    idle timeout never fires for them): a trickling body gets 408, trickling headers are cut
+    off, and such clients cannot hold all --max-connections for long. A kept-alive connection
+    starts a fresh deadline after each answer."""
+    s = Server("--request-timeout", "2", "--max-connections", "6", "--timeout", "30")
+    try:
+        port = s.port
+        body_hdr = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            c.sendall(body_hdr)
+            out, took = trickle(c, b" " * 400, 0.25)
+        assert out.startswith(b"HTTP/1.1 408 "), out
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert 1.5 < took < 6 * SLOW, took
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            out, took = trickle(c, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 40, 0.25)
+        assert b" 200 " not in out and took < 6 * SLOW, (out, took)
+        # slow senders on every connection: after the deadline the server answers again
+        socks, threads = [], []
+        for _ in range(6):
+            c = socket.create_connection(("127.0.0.1", port), timeout=30)
+            socks.append(c)
+            threads.append(threading.Thread(target=trickle, args=(c, b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X" * 400, 0.25)))
+        for t in threads:
+            t.start()
+        t0 = time.time()
+        for t in threads:
+            t.join(60)
+        assert time.time() - t0 < 8 * SLOW
+        r = requests.get(s.url + "/v1/models", timeout=30)
+        assert r.status_code == 200
+        for c in socks:
+            c.close()
+        # a kept-alive connection: each request has its own deadline
+        with requests.Session() as sess:
+            for _ in range(3):
+                assert sess.get(s.url + "/health", timeout=10).status_code == 200
+                time.sleep(1.2)
+        assert "within 2 s" in s.log_text()
+        check_clean_exit(s)
+    finally:
+        s.close()
+
+
 def test_half_closed_and_garbage(srv):
     body = json.dumps({"messages": MSG, "max_tokens": 2, "temperature": 0}).encode()
     payloads = [

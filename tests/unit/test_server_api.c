@@ -109,6 +109,29 @@ static void test_api_key(void **state) {
     df_server_free(srv);
 }
 
+/* A request the transport gave up reading (request_timeout_s) is answered 408, whatever its
+ * route, and counted in the metrics. */
+static void test_timed_out_request(void **state) {
+    (void)state;
+    df_server *srv = new_server(NULL);
+    const char *paths[] = {"/v1/chat/completions", "/health", "/nope"};
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        df_http_request req = {.method = "POST", .path = paths[i], .timed_out = 1, .client_fd = -1};
+        df_http_response r;
+        df_server_handle(srv, &req, &r);
+        assert_int_equal(r.status, 408);
+        json_t *j = body_json(&r);
+        assert_string_equal(error_code(j), "request_timeout");
+        assert_non_null(strstr(json_string_value(json_object_get(json_object_get(j, "error"), "message")), "60 s"));
+        json_decref(j);
+        df_http_response_free(&r);
+    }
+    df_http_response r = call(srv, "GET", "/metrics", NULL, NULL);
+    assert_non_null(strstr(r.body, "dflash_requests_total{route=\"/v1/chat/completions\",status=\"408\"} 1\n"));
+    df_http_response_free(&r);
+    df_server_free(srv);
+}
+
 static void test_init_validation(void **state) {
     (void)state;
     df_server_options o = df_server_options_default();
@@ -359,6 +382,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loading_state),
         cmocka_unit_test(test_api_key),
+        cmocka_unit_test(test_timed_out_request),
         cmocka_unit_test(test_init_validation),
         cmocka_unit_test(test_request_validation),
         cmocka_unit_test(test_request_huge_numbers),
