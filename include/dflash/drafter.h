@@ -93,7 +93,8 @@ df_status df_draft_add_context(df_draft_state *st, const float *feats, int n, in
  * logits through the target's lm_head (× output_multiplier, softcapped), or for a DFlash2
  * drafter with a selector the greedy selector path: per row, among the selector_top_k
  * highest logits, the candidate c maximising logit(c) + Σ_r pred[prev]_r·p_r·succ[c]_r with
- * p = hidden_projection(h_row) and prev the previous pick (the bonus for row 1).
+ * p = hidden_projection(h_row) and prev the previous pick (the bonus for row 1). A row whose
+ * logits are not finite proposes token 0 (a draft only proposes; the target decides).
  * Optional outputs: hidden [B, hidden] (after the final norm), logits [B-1, vocab].
  * Errors: DF_ERR_INVALID_ARG (B), DF_ERR_NOMEM. */
 df_status df_draft_block(df_draft_state *st, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,

@@ -90,9 +90,12 @@ typedef struct df_sampler {
 void df_sampler_init(df_sampler *s, const df_sampling_params *p);
 void df_sampler_free(df_sampler *s);
 /* Picks a token from logits[n_vocab] (logits are not modified). Greedy when temperature
- * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p. */
+ * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p.
+ * Returns -1 when the logits are not usable (a NaN among them, or an infinite maximum: a
+ * broken pack or computation), as df_argmax. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
-/* argmax over logits[n]; lowest index wins ties. */
+/* argmax over logits[n]; lowest index wins ties. -1 when a logit is NaN or the maximum is
+ * infinite (checked during the same scan). */
 int32_t df_argmax(const float *logits, int n);
 
 typedef enum df_finish_reason {
@@ -112,10 +115,15 @@ typedef struct df_gen_params {
     int skip_special;                 /* drop special tokens from the text (default 1) */
     int32_t stop_ids[DF_MAX_STOP];    /* extra token ids that end generation like EOS */
     int n_stop_ids;
-    int logprobs;                     /* 1: compute df_token_info for every generated token */
+    /* 1: compute df_token_info for the generated tokens whose text is (at least partly) in the
+     * returned text: every token, except that a matched stop string's tokens (those whose
+     * text begins where the stop string does, or later) are left out, as llama.cpp does */
+    int logprobs;
     int top_logprobs;                 /* 0..DF_MAX_TOP_LOGPROBS alternatives per token */
-    /* called for each generated token (before its text reaches the text callback) when
-     * logprobs is on; non-zero return stops generation like the text callback */
+    /* called with those token infos, in order, when logprobs is on: just before the text
+     * callback that carries text from the token on (a token whose text is held back because
+     * it might begin a stop string waits for it), or at the end for tokens without text (EOS);
+     * a non-zero return stops generation like the text callback */
     int (*on_token)(void *user, const df_token_info *info);
     /* Test hook (the server's --test-hooks): the first n_forced_ids generated tokens are these
      * ids instead of the sampled ones; the model still runs every step and everything after
@@ -123,6 +131,12 @@ typedef struct df_gen_params {
      * Plain decoding only (df_generate_speculative rejects it). */
     const int32_t *forced_ids;
     int n_forced_ids;
+    /* Polled with the text callback's user pointer before each prefill chunk of up to 16
+     * prompt tokens (the rows of one forward pass), so that a long prompt can be abandoned
+     * within one chunk: a non-zero return ends the generation before its first token
+     * (finish_reason "cancelled", no ids). During decoding the text callback's return value
+     * serves the same purpose. NULL = prefill the whole prompt. */
+    int (*should_stop)(void *user);
 } df_gen_params;
 
 df_gen_params df_gen_params_default(void);
@@ -149,14 +163,24 @@ typedef struct df_gen_result {
      * drafter context update (with df_spec_params.phase_sync off, work still queued on the
      * device at a phase's end is counted in the next phase) */
     double draft_ms, verify_ms, settle_ms, context_ms;
-    df_token_info *token_info; /* [n_ids] when params->logprobs, else NULL */
+    /* [n_token_info] when params->logprobs, else NULL: the tokens of ids whose text is in
+     * text (all of ids[0..n_token_info), which is n_ids unless a stop string matched) */
+    df_token_info *token_info;
+    int n_token_info;
 } df_gen_result;
 
 void df_gen_result_free(df_gen_result *r);
 
+/* Decode speed in tokens per second: the tokens generated after the first of each
+ * generation (the first comes from the prefill's logits and costs no decode step) over
+ * decode_ms (df_gen_result.decode_ms, summed likewise); 0 when there are none. For one
+ * result: df_decode_tokens_per_second(r->n_ids - 1, r->decode_ms). */
+double df_decode_tokens_per_second(int tokens_after_first, double decode_ms);
+
 /* Generates from prompt ids with a session of eng (the session is reset first).
  * Errors: DF_ERR_RANGE when the prompt does not fit the session's context,
- * DF_ERR_INVALID_ARG for bad ids or params; the result is filled even when stopped early. */
+ * DF_ERR_INVALID_ARG for bad ids or params, DF_ERR_NUMERIC when the model's logits for a
+ * token are not finite (NaN, infinite maximum); the result is filled even when stopped early. */
 df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const df_gen_params *params,
                       df_gen_callback cb, void *user, df_gen_result *res, df_error *err);
 

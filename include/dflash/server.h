@@ -19,7 +19,8 @@
  * POST /v1/chat/completions, POST /v1/completions (both streaming and not). Errors are OpenAI
  * error objects {"error": {"message", "type", "code", "param"}}: 400 (invalid request, or
  * exceed_context_size_error with n_prompt_tokens and n_ctx), 401 (API key), 404 (unknown
- * route or model), 405 (wrong method), 413 (body above max_body), 500 (engine failure), 503
+ * route or model), 405 (wrong method), 408 (request not received within request_timeout_s),
+ * 413 (body above max_body), 500 (engine failure), 503
  * (loading, queue full, shutting down; with Retry-After).
  *
  * Generation: one request at a time on a single session, fed by a bounded FIFO queue of
@@ -87,6 +88,11 @@ typedef struct df_server_options {
     size_t max_header;        /* memory for the request line and headers; 0 = 32 KiB */
     unsigned max_connections; /* concurrent connections; 0 = 64 */
     unsigned timeout_s;       /* idle connection timeout in seconds; 0 = 30 */
+    unsigned request_timeout_s; /* longest time a client may take to send one whole request
+                                 * (request line, headers and body), counted from the
+                                 * connection's opening or the end of its previous answer:
+                                 * past it a body still arriving gets 408 and the connection
+                                 * is closed, headers still arriving close it; 0 = 60 */
     /* testing only: honour the request field "dflash_forced_output" (a text whose tokens
      * replace the sampled ones; the model still runs). Never enable on a real deployment. */
     int test_hooks;
@@ -125,7 +131,8 @@ const char *df_server_load_error_full(const df_server *srv);
 int df_server_port(const df_server *srv);
 
 /* Stops gracefully: no new connections are accepted; the generation in progress is
- * cancelled within one decoding round, waiting requests are answered 503, and every request
+ * cancelled within one decoding round (or one prefill chunk of 16 prompt tokens while its
+ * prompt is processed), waiting requests are answered 503, and every request
  * already begun gets its answer within a grace period of 10 s; then open connections are
  * closed and their threads joined. Safe to call twice or when not listening. */
 void df_server_stop(df_server *srv);
@@ -141,6 +148,8 @@ typedef struct df_http_request {
     const char *body;            /* may be NULL when body_len is 0; need not be NUL-terminated */
     size_t body_len;
     int body_too_large;          /* the transport stopped keeping the body past max_body */
+    int timed_out;               /* the transport gave up reading it: the client took longer
+                                    than request_timeout_s (answered 408) */
     int client_fd;               /* the client's socket, polled for hang-ups (the server
                                     dup()s it while generating); -1 = none */
     const char *client;          /* client address for the log, or NULL */

@@ -23,7 +23,8 @@ typedef enum df_status {
     DF_ERR_UNSUPPORTED, /* a valid but unsupported feature (e.g. a quantization mode) */
     DF_ERR_RANGE,       /* a size limit was exceeded (context length, request size) */
     DF_ERR_CANCELLED,   /* the caller asked to stop */
-    DF_ERR_INTERNAL     /* a bug: an invariant did not hold */
+    DF_ERR_INTERNAL,    /* a bug: an invariant did not hold */
+    DF_ERR_NUMERIC      /* the model computed non-finite values (NaN or infinite logits) */
 } df_status;
 
 #define DF_ERROR_MSG_MAX 512

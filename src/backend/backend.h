@@ -109,8 +109,9 @@ typedef struct df_backend_ops {
                 const float *norm_w, int M, float *conv_state, float *S, float *out);
 
     /* out[r] = argmax over x[r, 0..width) for r < rows (x: backend memory; out: host array);
-     * the lowest index wins ties, as df_argmax. Lets greedy decoding read rows ids instead of
-     * rows x width logits from a device. */
+     * the lowest index wins ties, and out[r] = -1 when the row holds a NaN or its maximum is
+     * infinite, as df_argmax. Lets greedy decoding read rows ids instead of rows x width
+     * logits from a device. */
     void (*argmax)(df_backend *be, const float *x, int rows, int width, int32_t *out);
 
     /* Optional fused ops (NULL: the model composes them from the ops above; a backend that sets

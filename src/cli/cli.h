@@ -3,7 +3,9 @@
  * Each command declares its options in a table (name, value kind, destination, default as
  * shown, help); cli_parse fills the destinations from argv ("--name VALUE" or
  * "--name=VALUE"), prints the help for --help, and rejects unknown options, missing or
- * malformed values and out-of-range numbers with a message on stderr.
+ * malformed values and out-of-range numbers with a message on stderr. A separate value never
+ * starts with "--" (that is the next option, and the option before it lacks its value):
+ * such a value is written "--name=VALUE". Negative numbers ("-1") are values.
  */
 #ifndef DFLASH_CLI_H
 #define DFLASH_CLI_H
@@ -20,6 +22,7 @@ typedef enum cli_kind {
     CLI_STR,      /* const char ** */
     CLI_INT,      /* int *, within [lo, hi] */
     CLI_FLOAT,    /* float *, within [lo, hi] */
+    CLI_FLOAT_GT, /* float *, within (lo, hi]: above lo (as the server's top_p) */
     CLI_U64,      /* uint64_t * */
     CLI_SIZE,     /* size_t *, within [lo, hi] */
     CLI_FLAG,     /* int *, set to 1; takes no value */
@@ -53,6 +56,9 @@ typedef struct cli_command {
 /* Parses argv[0..argc) (the command's arguments, without "dflash CMD").
  * Returns -1 to go on, CLI_EXIT_OK after printing --help, CLI_EXIT_USAGE on an error. */
 int cli_parse(cli_command *cmd, int argc, char **argv);
+/* 1 when the argument arg is an option (it starts with "--"), so it cannot be the value of the
+ * option before it; 0 for a value (including negative numbers like "-1"). */
+int cli_is_option(const char *arg);
 /* Prints a usage error for cmd to stderr and returns CLI_EXIT_USAGE. */
 int cli_usage_error(const cli_command *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The option named name (for .given). */

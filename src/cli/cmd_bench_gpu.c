@@ -389,12 +389,19 @@ int df_cmd_bench(int argc, char **argv) {
                                        "--gen",    "--repeats", "--window",           "--threads",
                                        "--block",  "--memory-ctx", "--no-verify-curve", "--draft-quant-pass",
                                        "--identity"};
+    /* options followed by a value, which is never the next option (see cli_is_option) */
+    static const char *const valued[] = {"--model",   "--drafter", "--device",     "--ctx",
+                                         "--gen",     "--repeats", "--window",     "--threads",
+                                         "--block",   "--memory-ctx", "--draft-quant-pass", "--identity",
+                                         "--synthetic-acceptance"};
     int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const char *v = i + 1 < argc && !cli_is_option(argv[i + 1]) ? argv[i + 1] : NULL;
         for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
             if (!strcmp(a, once[k]) && seen[k]++) return usage_error("option %s given twice", a);
+        for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
+            if (!strcmp(a, valued[k]) && !v) return usage_error("option %s needs a value", a);
         int *num = !strcmp(a, "--ctx")       ? &o.ctx
                    : !strcmp(a, "--gen")     ? &o.gen
                    : !strcmp(a, "--repeats") ? &o.repeats

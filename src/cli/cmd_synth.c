@@ -4,6 +4,7 @@
  *
  * The 27b config writes about 7.6 GB (target) + 3.5 GB (drafter in DIR/drafter): generate it
  * where it is used, never commit it. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,7 @@ static const char SYNTH_HELP[] =
     "  --tokenizer DIR     folder whose tokenizer.json (+ tokenizer_config.json, chat_template.jinja)\n"
     "                      is copied (default: $DFLASH_MODEL, else the embedded demo model)\n"
     "  --no-drafter        no drafter\n"
-    "  --seed N            random seed (default: 1)\n"
+    "  --seed N            random seed, an integer from 0 to 2^64-1 (default: 1)\n"
     "  --threads N         writer threads (default: all CPUs)\n"
     "  --help              show this help and exit\n";
 
@@ -48,6 +49,8 @@ int df_cmd_synth(int argc, char **argv) {
     o.drafter = 1;
     o.seed = 1;
     static const char *const once[] = {"--config", "--out", "--tokenizer", "--no-drafter", "--seed", "--threads"};
+    /* options followed by a value, which is never the next option (see cli_is_option) */
+    static const char *const valued[] = {"--config", "--out", "--tokenizer", "--seed", "--threads"};
     int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
@@ -55,11 +58,33 @@ int df_cmd_synth(int argc, char **argv) {
                 fprintf(stderr, "dflash synth: option %s given twice\n(see 'dflash synth --help')\n", argv[i]);
                 return 2;
             }
-        if (!strcmp(argv[i], "--config") && i + 1 < argc) o.preset = argv[++i];
+        for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
+            if (!strcmp(argv[i], valued[k]) && (i + 1 >= argc || cli_is_option(argv[i + 1]))) {
+                fprintf(stderr, "dflash synth: option %s needs a value\n(see 'dflash synth --help')\n", argv[i]);
+                return 2;
+            }
+        if (!strcmp(argv[i], "--config") && i + 1 < argc) {
+            o.preset = argv[++i];
+            if (strcmp(o.preset, "27b") != 0 && strcmp(o.preset, "tiny") != 0) {
+                fprintf(stderr, "dflash synth: --config takes 27b or tiny (got '%s')\n", o.preset);
+                return usage();
+            }
+        }
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) o.out_dir = argv[++i];
         else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) o.tokenizer_dir = argv[++i];
         else if (!strcmp(argv[i], "--no-drafter")) o.drafter = 0;
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) o.seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+            const char *v = argv[++i];
+            char *end = NULL;
+            errno = 0;
+            const unsigned long long x = v[0] >= '0' && v[0] <= '9' ? strtoull(v, &end, 10) : 0;
+            if (!end || *end || errno) {
+                fprintf(stderr, "dflash synth: --seed takes an integer from 0 to 18446744073709551615 (got '%s')\n",
+                        v);
+                return usage();
+            }
+            o.seed = x;
+        }
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
             char *end = NULL;
             const long t = strtol(argv[++i], &end, 10);

@@ -41,6 +41,12 @@ static int on_text(void *user, int32_t id, const char *text, size_t len) {
     return interrupted != 0;
 }
 
+/* df_gen_params.should_stop: Ctrl-C also stops a long prefill. */
+static int prefill_interrupted(void *user) {
+    (void)user;
+    return interrupted != 0;
+}
+
 static json_t *id_array(const int32_t *ids, size_t n) {
     json_t *a = json_array();
     for (size_t i = 0; a && i < n; i++) json_array_append_new(a, json_integer(ids[i]));
@@ -122,7 +128,7 @@ int cmd_generate(int argc, char **argv) {
         {"prompt-ids", "IDS", CLI_STR, &prompt_ids, "none", "prompt as comma-separated token ids (1,2,3)", 0, 0, 0},
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "with --chat / --messages: thinking on unless the request says otherwise", 0, 0, 0},
         {"temperature", "F", CLI_FLOAT, &sp.temperature, "0 (greedy)", "sampling temperature, 0 = greedy", 0, 2, 0},
-        {"top-p", "F", CLI_FLOAT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass", 1e-6, 1, 0},
+        {"top-p", "F", CLI_FLOAT_GT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass, in (0, 1]", 0, 1, 0},
         {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 = off", 0, 1 << 30, 0},
         {"min-p", "F", CLI_FLOAT, &sp.min_p, "the pack's generation_config.json, else 0 (off)", "drop tokens below F x the top probability", 0, 1, 0},
         {"seed", "N", CLI_U64, &sp.seed, "from the clock", "random seed (same seed, same output)", 0, 0, 0},
@@ -266,6 +272,7 @@ int cmd_generate(int argc, char **argv) {
     gp.max_tokens = max_tokens;
     for (int i = 0; i < stop.n; i++) gp.stop[i] = stop.items[i];
     gp.n_stop = stop.n;
+    gp.should_stop = prefill_interrupted;
     int speculative = ds && !no_draft && sp.temperature == 0.0f && !df_sampling_has_processors(&sp);
     if (ds && !no_draft && !speculative)
         fprintf(stderr, "dflash generate: sampling (temperature > 0) is decoded plainly; speculative decoding is greedy only\n");
@@ -293,7 +300,7 @@ int cmd_generate(int argc, char **argv) {
         double pms = res.prompt_ms, dms = res.decode_ms;
         fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s%s\n",
                 res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
-                dms > 0 ? res.n_ids * 1e3 / dms : 0.0, df_finish_reason_name(res.finish),
+                df_decode_tokens_per_second(res.n_ids - 1, dms), df_finish_reason_name(res.finish),
                 speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }

@@ -32,6 +32,8 @@ int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
     return CLI_EXIT_USAGE;
 }
 
+int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }
+
 cli_opt *cli_find(cli_command *cmd, const char *name) {
     for (int i = 0; i < cmd->n_opts; i++)
         if (strcmp(cmd->opts[i].name, name) == 0) return &cmd->opts[i];
@@ -56,12 +58,17 @@ static int bad_value(const cli_command *cmd, const cli_opt *o, const char *v, co
     return cli_usage_error(cmd, "invalid value '%s' for --%s: %s", v, o->name, why);
 }
 
-static int in_range(const cli_opt *o, double x) { return (o->lo == 0 && o->hi == 0) || (x >= o->lo && x <= o->hi); }
+static int in_range(const cli_opt *o, double x) {
+    if (o->lo == 0 && o->hi == 0) return 1;
+    return (o->kind == CLI_FLOAT_GT ? x > o->lo : x >= o->lo) && x <= o->hi;
+}
 
 static int range_error(const cli_command *cmd, const cli_opt *o, const char *v) {
     char why[96];
-    if (o->kind == CLI_INT)
+    if (o->kind == CLI_INT || o->kind == CLI_SIZE)
         snprintf(why, sizeof why, "expected an integer from %lld to %lld", (long long)o->lo, (long long)o->hi);
+    else if (o->kind == CLI_FLOAT_GT)
+        snprintf(why, sizeof why, "expected a number above %g and at most %g", o->lo, o->hi);
     else
         snprintf(why, sizeof why, "expected a number from %g to %g", o->lo, o->hi);
     return bad_value(cmd, o, v, why);
@@ -111,7 +118,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         *(uint64_t *)o->dest = (uint64_t)x;
         return 0;
     }
-    case CLI_FLOAT: {
+    case CLI_FLOAT:
+    case CLI_FLOAT_GT: {
         double x = strtod(v, &end);
         if (errno || end == v || *end || !isfinite(x)) return bad_value(cmd, o, v, "expected a number");
         if (!in_range(o, x)) return range_error(cmd, o, v);
@@ -149,6 +157,11 @@ int cli_parse(cli_command *cmd, int argc, char **argv) {
             v = eq + 1;
         } else {
             if (i + 1 >= argc) return cli_usage_error(cmd, "option --%s needs a value (%s)", o->name, o->metavar);
+            if (cli_is_option(argv[i + 1]))
+                return cli_usage_error(cmd,
+                                       "option --%s needs a value (%s), but '%s' follows it (a value that starts "
+                                       "with '--' is written --%s=VALUE)",
+                                       o->name, o->metavar, argv[i + 1], o->name);
             v = argv[++i];
         }
         if (o->given && o->kind != CLI_LIST) return cli_usage_error(cmd, "option --%s given twice", o->name);

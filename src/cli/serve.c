@@ -81,6 +81,7 @@ int cmd_serve(int argc, char **argv) {
     int port = 8080, threads = 0, ctx_size = 0, max_tokens = 0, queue = 16, top_k = 20, thinking = 0;
     const char *device = "cpu";
     int window = 2048, no_draft = 0, draft_quant = 0, test_hooks = 0, timeout = 30, max_conn = 64;
+    int request_timeout = 60;
     size_t max_body = (size_t)8 << 20, max_header = (size_t)32 << 10;
     df_spec_params spec = df_spec_params_default();
     cli_opt opts[] = {
@@ -101,6 +102,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
+        {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower one gets 408, or is closed while its headers are still arriving", 1, 86400, 0},
         {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",
@@ -117,7 +119,7 @@ int cmd_serve(int argc, char **argv) {
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
     (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;
-    (void)no_draft, (void)test_hooks, (void)timeout, (void)max_conn;
+    (void)no_draft, (void)test_hooks, (void)timeout, (void)max_conn, (void)request_timeout;
     cli_error("serve", "this dflash was built without the HTTP server (cmake -DDFLASH_SERVER=OFF)");
     return CLI_EXIT_FAIL;
 #else
@@ -155,6 +157,7 @@ int cmd_serve(int argc, char **argv) {
     so.max_header = max_header;
     so.max_connections = (unsigned)max_conn;
     so.timeout_s = (unsigned)timeout;
+    so.request_timeout_s = (unsigned)request_timeout;
     so.test_hooks = test_hooks;
     return serve(&so);
 #endif

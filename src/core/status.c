@@ -47,6 +47,7 @@ const char *df_status_name(df_status s) {
     case DF_ERR_RANGE: return "range";
     case DF_ERR_CANCELLED: return "cancelled";
     case DF_ERR_INTERNAL: return "internal";
+    case DF_ERR_NUMERIC: return "numeric";
     }
     return "unknown";
 }

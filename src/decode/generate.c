@@ -1,5 +1,5 @@
-/* The plain generation loop (include/dflash/generate.h): prefill, then one decode step per
- * token, with incremental UTF-8-safe detokenisation and stop strings that are matched
+/* The plain generation loop (include/dflash/generate.h): prefill (polling
+ * params->should_stop between chunks), then one decode step per token, with incremental UTF-8-safe detokenisation and stop strings that are matched
  * across token boundaries and never emitted. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +24,17 @@ int df_gen_is_stop_id(const df_engine *eng, const df_gen_params *p, int32_t id) 
     for (int i = 0; i < p->n_stop_ids; i++)
         if (p->stop_ids[i] == id) return 1;
     return 0;
+}
+
+double df_decode_tokens_per_second(int tokens_after_first, double decode_ms) {
+    return tokens_after_first > 0 && decode_ms > 0 ? tokens_after_first * 1000.0 / decode_ms : 0.0;
+}
+
+df_status df_gen_non_finite(df_error *err, int index) {
+    return df_error_set(err, DF_ERR_NUMERIC,
+                        "the model produced non-finite logits (NaN or infinity) for generated token %d: the pack's "
+                        "weights or the computation are broken",
+                        index);
 }
 
 const char *df_finish_reason_name(df_finish_reason r) {
@@ -66,7 +77,9 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     df_session_reset(s);
 
     double t0 = df_now_ms();
-    df_status st = df_session_prefill(s, prompt, n_prompt, logits, err);
+    int stopped = 0;
+    df_status st = df_target_prefill(s, prompt, n_prompt, logits, params->should_stop, user, &stopped, err);
+    if (stopped) out.finish = DF_FINISH_CANCELLED;
     double t1 = df_now_ms();
     res->prompt_ms = t1 - t0;
     int cap_tokens = s->max_ctx - n_prompt;
@@ -76,6 +89,10 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
         if (processors)
             df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
         int32_t id = df_sampler_sample(&sm, logits, V);
+        if (id < 0) {
+            st = df_gen_non_finite(err, out.n_ids);
+            break;
+        }
         if (out.n_ids < params->n_forced_ids && params->forced_ids[out.n_ids] >= 0 &&
             params->forced_ids[out.n_ids] < V)
             id = params->forced_ids[out.n_ids];
@@ -84,7 +101,6 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
             df_token_info_compute(&info, logits, V, id, params->top_logprobs);
             st = df_textout_token_info(&out, &info, err);
             if (st != DF_OK) break;
-            if (out.finish != DF_FINISH_NONE) break;
         }
         st = df_textout_push(&out, id, df_gen_is_stop_id(eng, params, id), err);
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;

@@ -125,9 +125,18 @@ void df_sampler_free(df_sampler *s) {
 
 int32_t df_argmax(const float *logits, int n) {
     int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (logits[i] > logits[best]) best = i;
-    return best;
+    float mx = logits[0];
+    int nan = isnan(mx);
+    for (int i = 1; i < n; i++) {
+        const float v = logits[i];
+        if (v > mx) {
+            mx = v;
+            best = i;
+        } else if (isnan(v)) {
+            nan = 1;
+        }
+    }
+    return nan || !isfinite(mx) ? -1 : best;
 }
 
 /* Orders candidate ids by logit, highest first; lower id first on ties. */
@@ -170,7 +179,10 @@ int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
     }
     int32_t *idx = s->idx;
     float *probs = s->probs;
-    for (int i = 0; i < n_vocab; i++) idx[i] = i;
+    for (int i = 0; i < n_vocab; i++) {
+        if (isnan(logits[i])) return -1;
+        idx[i] = i;
+    }
     int n = n_vocab;
     if (p->top_k > 0 && p->top_k < n) {
         n = select_top_k(logits, idx, n, p->top_k);
@@ -179,6 +191,7 @@ int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
     }
     /* softmax with temperature over the candidates (sorted, highest first) */
     const float mx = logits[idx[0]];
+    if (!isfinite(mx)) return -1;
     double sum = 0.0;
     for (int i = 0; i < n; i++) {
         probs[i] = expf((logits[idx[i]] - mx) / p->temperature);

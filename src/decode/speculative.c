@@ -278,6 +278,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
      * the tiles that hold them) */
     double t0 = df_now_ms();
     for (int i = 0; i < n_prompt && st == DF_OK; i += DF_MAX_ROWS) {
+        if (params->should_stop && params->should_stop(user)) {
+            out.finish = DF_FINISH_CANCELLED;
+            break;
+        }
         int M = n_prompt - i < DF_MAX_ROWS ? n_prompt - i : DF_MAX_ROWS;
         int last = i + M == n_prompt;
         const int in_window = i + M > n_prompt - window;
@@ -296,9 +300,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
 
     int32_t bonus = 0;
-    if (st == DF_OK) {
+    if (st == DF_OK && out.finish == DF_FINISH_NONE) {
         bonus = df_argmax(logits, V);
-        st = df_textout_push(&out, bonus, df_gen_is_stop_id(eng, params, bonus), err);
+        if (bonus < 0) st = df_gen_non_finite(err, 0);
+        if (st == DF_OK) st = df_textout_push(&out, bonus, df_gen_is_stop_id(eng, params, bonus), err);
         if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
     }
     int B = sp.block;
@@ -333,6 +338,10 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         phase_end(&c, &sp, ph_ms, 1, &tp, Bv >= 2);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
+        if (t[a] < 0) { /* the logits after the last accepted row (the ones plain decoding reads) */
+            st = df_gen_non_finite(err, out.n_ids + a);
+            break;
+        }
         /* keep the accepted rows 0..a: positions, and the GDN states */
         s->pos = p0 + a + 1;
         if (Bv >= 2) settle_gdn(&c, a + 1, Bv);

@@ -98,14 +98,24 @@ void df_textout_init(df_textout *o, const df_tokenizer *tok, const df_gen_params
     o->user = user;
 }
 
-/* Emits the first n bytes of held text to the callback and the result text. */
+/* Hands the recorded logprobs of the tokens whose text begins before byte `upto` of the text
+ * to params->on_token, in order; returns non-zero when it asks to stop. */
+static int release_info(df_textout *o, size_t upto) {
+    int stop = 0;
+    for (; o->n_released < o->n_info && o->info_at[o->n_released] < upto; o->n_released++)
+        if (o->params->on_token && o->params->on_token(o->user, &o->info[o->n_released])) stop = 1;
+    return stop;
+}
+
+/* Emits the first n bytes of held text to the callback and the result text (the logprobs of
+ * the tokens it comes from first). */
 static int emit(df_textout *o, size_t n, int32_t id) {
     if (!reserve(&o->text, &o->cap_text, o->n_text + n + 1)) return -1;
     memcpy(o->text + o->n_text, o->held, n);
     o->n_text += n;
     o->text[o->n_text] = 0;
-    int stop = 0;
-    if (o->cb) stop = o->cb(o->user, id, o->held, n);
+    int stop = release_info(o, o->n_text);
+    if (o->cb && o->cb(o->user, id, o->held, n)) stop = 1;
     memmove(o->held, o->held + n, o->n_held - n);
     o->n_held -= n;
     return stop;
@@ -159,6 +169,7 @@ df_status df_textout_push(df_textout *o, int32_t id, int is_eos, df_error *err) 
         r = emit(o, cut, id);
         o->n_held = 0;
         o->finish = DF_FINISH_STOP;
+        o->stop_cut = 1;
     } else {
         r = emit(o, o->n_held - stop_prefix_tail(o), id);
         if (r > 0) o->finish = DF_FINISH_CANCELLED;
@@ -171,23 +182,26 @@ df_status df_textout_token_info(df_textout *o, const df_token_info *info, df_err
     if (o->n_info == o->cap_info) {
         int c = o->cap_info ? o->cap_info * 2 : 64;
         df_token_info *p = realloc(o->info, (size_t)c * sizeof *p);
-        if (!p) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
-        o->info = p;
+        if (p) o->info = p;
+        size_t *a = realloc(o->info_at, (size_t)c * sizeof *a);
+        if (a) o->info_at = a;
+        if (!p || !a) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
         o->cap_info = c;
     }
+    o->info_at[o->n_info] = o->n_text + o->n_held; /* the token's text comes next */
     o->info[o->n_info++] = *info;
-    if (o->params->on_token && o->params->on_token(o->user, info)) o->finish = DF_FINISH_CANCELLED;
     return DF_OK;
 }
 
 void df_textout_finish(df_textout *o, df_gen_result *res) {
-    int stopped_by_string = o->finish == DF_FINISH_STOP && o->n_held == 0 && o->n_pend == 0;
-    if (!stopped_by_string && o->finish != DF_FINISH_CANCELLED) {
+    if (!o->stop_cut && o->finish != DF_FINISH_CANCELLED) {
         if (reserve(&o->held, &o->cap_held, o->n_held + 3 * 8 + 1)) {
             o->n_held += df_utf8_sanitize(NULL, 0, o->pend, &o->n_pend, 1, o->held + o->n_held);
             if (o->n_held) emit(o, o->n_held, o->n_ids ? o->ids[o->n_ids - 1] : -1);
         }
+        release_info(o, (size_t)-1); /* tokens without text at the end (EOS) */
     }
+    o->n_info = o->n_released; /* a stop string's tokens, or those never handed out */
     res->ids = o->ids;
     res->n_ids = o->n_ids;
     if (!o->text) {
@@ -198,6 +212,8 @@ void df_textout_finish(df_textout *o, df_gen_result *res) {
     res->text_len = o->n_text;
     res->finish = o->finish == DF_FINISH_NONE ? DF_FINISH_LENGTH : o->finish;
     res->token_info = o->info;
+    res->n_token_info = o->info ? o->n_info : 0;
+    free(o->info_at);
     free(o->held);
     memset(o, 0, sizeof *o);
 }

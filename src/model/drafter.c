@@ -778,6 +778,8 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
     if (!logits && !d->sel_pred && c->output_multiplier == 1.0f && !(c->final_logit_softcapping > 0.0f)) {
         /* plain argmax drafts: taken where the logits are (no vocab-wide copy from a device) */
         op->argmax(be, s->logits, B - 1, V, drafts);
+        for (int m = 0; m < B - 1; m++)
+            if (drafts[m] < 0) drafts[m] = 0; /* non-finite logits: a draft only proposes */
         if (be->failed) {
             be->failed = 0;
             return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
@@ -802,7 +804,10 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
     df_status st = DF_OK;
     if (d->sel_pred) st = select_path(s, bonus, B, lg, drafts, err);
     else
-        for (int m = 0; m < B - 1; m++) drafts[m] = df_argmax(lg + (size_t)m * (size_t)V, V);
+        for (int m = 0; m < B - 1; m++) {
+            drafts[m] = df_argmax(lg + (size_t)m * (size_t)V, V);
+            if (drafts[m] < 0) drafts[m] = 0; /* non-finite logits: a draft only proposes */
+        }
     free(tmp);
     if (st != DF_OK) return st;
     if (be->failed) {

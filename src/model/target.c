@@ -371,7 +371,11 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
     return DF_OK;
 }
 
-static df_status run_tokens(df_session *s, const int32_t *ids, int n, float *logits, int all, df_error *err) {
+/* Runs ids[0..n) in tiles; logits of the last token (or of every token with `all`). stop:
+ * see df_target_prefill. */
+static df_status run_tokens(df_session *s, const int32_t *ids, int n, float *logits, int all, int (*stop)(void *),
+                            void *user, int *stopped, df_error *err) {
+    if (stopped) *stopped = 0;
     if (n <= 0) return df_error_set(err, DF_ERR_INVALID_ARG, "no tokens to run");
     if (s->pos + n > s->max_ctx)
         return df_error_set(err, DF_ERR_RANGE, "context full: %d positions + %d tokens exceed %d", s->pos, n,
@@ -380,6 +384,10 @@ static df_status run_tokens(df_session *s, const int32_t *ids, int n, float *log
     s->capture_n = n;
     s->capture_row = 0;
     for (int i = 0; i < n; i += DF_MAX_ROWS) {
+        if (stop && stop(user)) {
+            *stopped = 1;
+            break;
+        }
         int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
         float *lg = NULL;
         int from = M;
@@ -401,13 +409,19 @@ static df_status run_tokens(df_session *s, const int32_t *ids, int n, float *log
 }
 
 df_status df_session_prefill(df_session *s, const int32_t *ids, int n, float *logits, df_error *err) {
-    return run_tokens(s, ids, n, logits, 0, err);
+    return run_tokens(s, ids, n, logits, 0, NULL, NULL, NULL, err);
+}
+
+df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *logits, int (*stop)(void *), void *user,
+                            int *stopped, df_error *err) {
+    int dummy;
+    return run_tokens(s, ids, n, logits, 0, stop, user, stopped ? stopped : &dummy, err);
 }
 
 df_status df_session_prefill_all(df_session *s, const int32_t *ids, int n, float *logits, df_error *err) {
-    return run_tokens(s, ids, n, logits, 1, err);
+    return run_tokens(s, ids, n, logits, 1, NULL, NULL, NULL, err);
 }
 
 df_status df_session_decode(df_session *s, int32_t id, float *logits, df_error *err) {
-    return run_tokens(s, &id, 1, logits, 0, err);
+    return run_tokens(s, &id, 1, logits, 0, NULL, NULL, NULL, err);
 }

@@ -55,9 +55,16 @@ size_t df_gdn_ssm_bytes(const df_session *s);
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err);
 
+/* df_session_prefill that first calls stop(user) (when non-NULL) before each tile of
+ * DF_MAX_ROWS tokens: a non-zero return ends the prefill there with DF_OK and *stopped = 1
+ * (s->pos after the last tile that ran, logits not written); else *stopped = 0. Same errors. */
+df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *logits, int (*stop)(void *), void *user,
+                            int *stopped, df_error *err);
+
 /* As df_target_forward_rows, but instead of logits returns argmax[M] (host): the greedy token
  * after each row, computed where the logits are (backend argmax op), so a device backend
- * copies M ids instead of M x vocab floats. Same errors. */
+ * copies M ids instead of M x vocab floats; -1 for a row whose logits are not finite (the
+ * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
 #endif

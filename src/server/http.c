@@ -8,7 +8,11 @@
  * a chunked response whose reader blocks (in the connection's own thread) on the stream.
  * Request headers are bounded by the connection's memory limit (max_header): larger ones
  * get 431 from libmicrohttpd. Idle connections (a slow client sending nothing) are closed
- * after timeout_s.
+ * after timeout_s. A client that keeps sending, but too slowly, has request_timeout_s to
+ * deliver a whole request, counted from the connection's opening (or the end of its previous
+ * answer): a body still arriving past that gets 408 (checked as its bytes come in, and the
+ * connection is closed with the answer); headers still arriving past it (libmicrohttpd calls
+ * nothing before they are complete) are cut off by a watch thread that shuts the socket down.
  */
 #include "server/server_impl.h"
 
@@ -21,6 +25,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <microhttpd.h>
@@ -28,14 +33,150 @@
 /* How long df_server_stop waits for requests in progress to be answered. */
 #define STOP_GRACE_MS 10000
 
+/* Set by answer_timed_out_body in the connection's thread: libmicrohttpd's next log line
+ * there ("Application reported internal error") is that deliberate close, not an error. */
+static _Thread_local int g_closing_on_purpose;
+
 typedef struct conn_ctx {
     char *body;
     size_t len, cap;
     size_t received;        /* all body bytes seen, kept or not */
     int too_large;
+    int timed_out;          /* the request was not received within request_timeout_s */
+    struct timespec deadline; /* when request_timeout_s runs out for this request */
     int timeout_off;        /* the idle timeout is suspended while the answer is produced */
     struct MHD_Connection *conn;
 } conn_ctx;
+
+/* ---- request deadlines ----------------------------------------------------------------- */
+
+/* One connection, from its opening to its close (libmicrohttpd's socket context), on the
+ * watch list while it is open. */
+typedef struct sock_ctx {
+    struct sock_ctx *prev, *next;
+    int fd;
+    struct timespec since;  /* the connection's opening, or the end of its previous answer */
+    int in_request;         /* a request's headers are in: its body and answer are the handler's */
+    int shut;               /* the watch shut it down */
+} sock_ctx;
+
+typedef struct conn_watch {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    sock_ctx *head;
+    int stop;
+    pthread_t thread;
+} conn_watch;
+
+static struct timespec deadline_after(const struct timespec *t0, unsigned s) {
+    struct timespec d = *t0;
+    d.tv_sec += (time_t)s;
+    return d;
+}
+
+static int passed(const struct timespec *deadline) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec);
+}
+
+/* The watch thread: every quarter second, shuts down the connections still waiting for a
+ * request's headers past request_timeout_s (libmicrohttpd then closes them as if the client
+ * had). The list lock is held while shutting a socket down, and a connection leaves the list
+ * (on_connection, "closed") before libmicrohttpd closes its socket, so the descriptor is
+ * still the connection's own. */
+static void *watch_main(void *arg) {
+    df_server *srv = arg;
+    conn_watch *w = srv->watch;
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        int n = 0;
+        for (sock_ctx *c = w->head; c; c = c->next) {
+            struct timespec d = deadline_after(&c->since, srv->opt.request_timeout_s);
+            if (!c->in_request && !c->shut && passed(&d)) {
+                shutdown(c->fd, SHUT_RDWR);
+                c->shut = 1;
+                n++;
+            }
+        }
+        if (n) {
+            pthread_mutex_unlock(&w->lock);
+            df_server_log(srv, "http: closed %d connection%s that sent no complete request headers within %u s", n,
+                          n > 1 ? "s" : "", srv->opt.request_timeout_s);
+            pthread_mutex_lock(&w->lock);
+        }
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 250 * 1000 * 1000;
+        if (t.tv_nsec >= 1000 * 1000 * 1000) {
+            t.tv_sec++;
+            t.tv_nsec -= 1000 * 1000 * 1000;
+        }
+        if (!w->stop) pthread_cond_timedwait(&w->cond, &w->lock, &t);
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+    df_server *srv = cls;
+    conn_watch *w = srv->watch;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        sock_ctx *c = ci ? calloc(1, sizeof *c) : NULL;
+        if (!c) return; /* not watched: the idle timeout still applies */
+        c->fd = ci->connect_fd;
+        clock_gettime(CLOCK_MONOTONIC, &c->since);
+        pthread_mutex_lock(&w->lock);
+        c->next = w->head;
+        if (w->head) w->head->prev = c;
+        w->head = c;
+        pthread_mutex_unlock(&w->lock);
+        *socket_context = c;
+    } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED && *socket_context) {
+        sock_ctx *c = *socket_context;
+        pthread_mutex_lock(&w->lock);
+        if (c->prev) c->prev->next = c->next;
+        else w->head = c->next;
+        if (c->next) c->next->prev = c->prev;
+        pthread_mutex_unlock(&w->lock);
+        free(c);
+        *socket_context = NULL;
+    }
+}
+
+static sock_ctx *sock_of(struct MHD_Connection *conn) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+/* A request's headers are in: its deadline (request_timeout_s after the connection's opening
+ * or previous answer) is the handler's to check from now on. */
+static void request_begins(df_server *srv, conn_ctx *ctx) {
+    conn_watch *w = srv->watch;
+    sock_ctx *c = sock_of(ctx->conn);
+    struct timespec since;
+    clock_gettime(CLOCK_MONOTONIC, &since);
+    if (c) {
+        pthread_mutex_lock(&w->lock);
+        c->in_request = 1;
+        since = c->since;
+        pthread_mutex_unlock(&w->lock);
+    }
+    ctx->deadline = deadline_after(&since, srv->opt.request_timeout_s);
+}
+
+/* The answer is over: the next request on the connection has request_timeout_s from now. */
+static void request_ends(df_server *srv, struct MHD_Connection *conn) {
+    conn_watch *w = srv->watch;
+    sock_ctx *c = sock_of(conn);
+    if (!c) return;
+    pthread_mutex_lock(&w->lock);
+    c->in_request = 0;
+    clock_gettime(CLOCK_MONOTONIC, &c->since);
+    pthread_mutex_unlock(&w->lock);
+}
 
 /* Bytes read and dropped past max_body before the connection is closed instead. */
 static size_t drain_limit(const df_server *srv) {
@@ -105,6 +246,7 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
         .body = ctx->body,
         .body_len = ctx->len,
         .body_too_large = ctx->too_large,
+        .timed_out = ctx->timed_out,
         .client_fd = ci ? ci->connect_fd : -1,
         .client = client,
     };
@@ -116,6 +258,58 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
     df_http_response r;
     df_server_handle(srv, &req, &r);
     return send_response(ctx, &r);
+}
+
+/* Writes n bytes to the (non-blocking) socket fd, waiting up to a second in all for room. */
+static void send_all(int fd, const char *p, size_t n) {
+    for (int waited_ms = 0; n > 0 && waited_ms < 1000;) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+        } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            poll(&pf, 1, 50);
+            waited_ms += 50;
+        } else {
+            return;
+        }
+    }
+}
+
+/* The 408 of a request whose body is still arriving past its deadline. libmicrohttpd (0.9)
+ * queues no answer in the middle of a body, so it is written to the socket here (this is the
+ * connection's own thread, and nothing was sent for this request yet) with "Connection:
+ * close"; the socket's write side is shut and what the client still sends is read and dropped
+ * for a moment (so that closing it does not reset the connection before the client reads the
+ * answer); MHD_NO then closes the connection. */
+static enum MHD_Result answer_timed_out_body(df_server *srv, conn_ctx *ctx, const char *url, const char *method) {
+    ctx->timed_out = 1;
+    char client[64];
+    client_address(ctx->conn, client, sizeof client);
+    df_http_request req = {.method = method, .path = url, .timed_out = 1, .client_fd = -1, .client = client};
+    df_http_response r;
+    df_server_handle(srv, &req, &r);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci && r.body) {
+        const int fd = ci->connect_fd;
+        char head[256];
+        int hn = snprintf(head, sizeof head,
+                          "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                          "Connection: close\r\n\r\n",
+                          r.status, r.content_type ? r.content_type : "application/json", r.body_len);
+        send_all(fd, head, (size_t)hn);
+        send_all(fd, r.body, r.body_len);
+        shutdown(fd, SHUT_WR);
+        char sink[4096];
+        for (int waited_ms = 0; waited_ms < 500; waited_ms += 50) {
+            struct pollfd pf = {.fd = fd, .events = POLLIN};
+            if (poll(&pf, 1, 50) > 0 && recv(fd, sink, sizeof sink, 0) <= 0) break; /* the client closed */
+        }
+    }
+    df_http_response_free(&r);
+    g_closing_on_purpose = 1;
+    return MHD_NO;
 }
 
 static void keep_body(df_server *srv, conn_ctx *ctx, const char *data, size_t n) {
@@ -159,6 +353,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         ctx->conn = conn;
         atomic_fetch_add(&srv->in_flight, 1);
         *con_cls = ctx;
+        request_begins(srv, ctx);
+        if (passed(&ctx->deadline)) { /* the headers alone took too long */
+            ctx->timed_out = 1;
+            return answer(srv, ctx, url, method);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
@@ -177,6 +376,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         keep_body(srv, ctx, upload_data, *upload_data_size);
         *upload_data_size = 0;
         if (ctx->too_large && ctx->received > drain_limit(srv)) return answer(srv, ctx, url, method);
+        if (passed(&ctx->deadline)) /* a body trickling in: answered now, the connection closes */
+            return answer_timed_out_body(srv, ctx, url, method);
         return MHD_YES;
     }
     return answer(srv, ctx, url, method);
@@ -186,6 +387,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     df_server *srv = cls;
     conn_ctx *ctx = *con_cls;
+    request_ends(srv, conn);
     if (ctx) {
         if (ctx->timeout_off && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
             MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, srv->opt.timeout_s);
@@ -199,6 +401,10 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
     char line[512];
     vsnprintf(line, sizeof line, fmt, ap);
+    if (g_closing_on_purpose && strncmp(line, "Application reported internal error", 35) == 0) {
+        g_closing_on_purpose = 0;
+        return;
+    }
     size_t n = strlen(line);
     while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
     df_server_log(cls, "http: %s", line);
@@ -248,11 +454,40 @@ static int open_listener(const df_server *srv, int *family, int *port, df_error 
     return fd;
 }
 
+static void watch_free(df_server *srv) {
+    conn_watch *w = srv->watch;
+    if (!w) return;
+    pthread_mutex_destroy(&w->lock);
+    pthread_cond_destroy(&w->cond);
+    free(w);
+    srv->watch = NULL;
+}
+
+/* Stops the watch thread (after the daemon: no connection is left on its list). */
+static void watch_stop(df_server *srv) {
+    conn_watch *w = srv->watch;
+    if (!w) return;
+    pthread_mutex_lock(&w->lock);
+    w->stop = 1;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
+    watch_free(srv);
+}
+
 df_status df_server_listen(df_server *srv, df_error *err) {
     if (srv->daemon) return df_error_set(err, DF_ERR_INVALID_ARG, "server: already listening");
+    conn_watch *w = calloc(1, sizeof *w);
+    if (!w) return df_error_set(err, DF_ERR_NOMEM, "server: out of memory");
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->cond, NULL);
+    srv->watch = w;
     int family = AF_INET, port = 0;
     int fd = open_listener(srv, &family, &port, err);
-    if (fd < 0) return err ? err->code : DF_ERR_IO;
+    if (fd < 0) {
+        watch_free(srv);
+        return err ? err->code : DF_ERR_IO;
+    }
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
                      MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (family == AF_INET6) flags |= MHD_USE_IPv6;
@@ -261,16 +496,24 @@ df_status df_server_listen(df_server *srv, df_error *err) {
         flags, (uint16_t)port, NULL, NULL, on_request, srv, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, srv,
         MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT, srv->opt.max_connections,
         MHD_OPTION_CONNECTION_TIMEOUT, srv->opt.timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->opt.max_header, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv, MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->opt.max_header,
+        MHD_OPTION_END);
     if (!d) {
         close(fd);
+        watch_free(srv);
         return df_error_set(err, DF_ERR_IO, "server: cannot start the HTTP daemon on %s:%d", srv->host, port);
+    }
+    if (pthread_create(&w->thread, NULL, watch_main, srv) != 0) {
+        MHD_stop_daemon(d);
+        watch_free(srv);
+        return df_error_set(err, DF_ERR_NOMEM, "server: cannot start the connection watch thread");
     }
     srv->daemon = d;
     srv->bound_port = port;
     /* the socket is up: load the model and serve the queue in the background */
     if (pthread_create(&srv->worker, NULL, df_worker_main, srv) != 0) {
         MHD_stop_daemon(d);
+        watch_stop(srv);
         srv->daemon = NULL;
         return df_error_set(err, DF_ERR_NOMEM, "server: cannot start the generation thread");
     }
@@ -296,6 +539,7 @@ void df_server_stop(df_server *srv) {
         nanosleep(&ts, NULL);
     }
     MHD_stop_daemon(srv->daemon);      /* closes connections, joins their threads */
+    watch_stop(srv);
     if (listener != MHD_INVALID_SOCKET) close(listener);
     srv->daemon = NULL;
 }

@@ -47,7 +47,7 @@ char *df_metrics_render(df_server *srv) {
         {"dflash_prompt_tokens_total", "counter", "Prompt tokens prefilled.", (double)m.prompt_tokens},
         {"dflash_generated_tokens_total", "counter", "Completion tokens generated.", (double)m.generated_tokens},
         {"dflash_generation_seconds_total", "counter", "Wall time spent prefilling and decoding.", m.gen_seconds},
-        {"dflash_tokens_per_second", "gauge", "Decode speed of the last generation (tokens/s).", m.last_tps},
+        {"dflash_tokens_per_second", "gauge", "Decode speed of the last generation of 2 tokens or more (tokens after the first per second).", m.last_tps},
         {"dflash_speculative_requests_total", "counter", "Generations decoded speculatively.", (double)m.speculative},
         {"dflash_plain_requests_total", "counter", "Generations decoded plainly.", (double)m.plain},
         {"dflash_draft_rounds_total", "counter", "Speculative verify rounds.", (double)m.draft_rounds},

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode/textout.h"
 #include "text/jinja_internal.h"
 
 int df_api_error_set(df_api_error *e, int status, const char *type, const char *code, const char *param,
@@ -70,9 +71,19 @@ json_t *df_json_text(const char *text, size_t len) {
 
 #define INVALID "invalid_request_error"
 
+/* A number the JSON parser cannot hold (an integer past 64 bits, a real past the double range)
+ * stands in the parsed request as a marker (see read_overflowing_numbers): an object whose one
+ * key contains a NUL byte, which no request can contain, and whose value is the number's text.
+ * Validators treat it as a number outside every range. Returns the text, or NULL when v is no
+ * marker. */
+#define OVERFLOW_KEY "\0number"
+static const char *overflow_text(const json_t *v) {
+    return json_is_object(v) ? json_string_value(json_object_getn(v, OVERFLOW_KEY, sizeof OVERFLOW_KEY - 1)) : NULL;
+}
+
 static const char *json_type_name(const json_t *v) {
     switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
+    case JSON_OBJECT: return overflow_text(v) ? "a number" : "an object";
     case JSON_ARRAY: return "an array";
     case JSON_STRING: return "a string";
     case JSON_INTEGER: return "an integer";
@@ -119,12 +130,16 @@ static int get_number(const json_t *obj, const char *key, const char *param, dou
                       float *out, df_api_error *e) {
     json_t *v = field(obj, key);
     if (!v) return 0;
-    if (!json_is_number(v)) return type_error(e, param, "a number", v);
-    double x = json_number_value(v);
-    if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi)
+    const char *big = overflow_text(v);
+    if (!big && !json_is_number(v)) return type_error(e, param, "a number", v);
+    double x = big ? 0 : json_number_value(v);
+    if (big || !isfinite(x) || x < lo || (lo_open && x == lo) || x > hi) {
+        char got[32];
+        snprintf(got, sizeof got, "%g", x);
         return df_api_error_set(e, 400, INVALID, "invalid_value", param,
-                                "Invalid '%s': expected a value %s %g and <= %g, but got %g instead.", param,
-                                lo_open ? ">" : ">=", lo, hi, x);
+                                "Invalid '%s': expected a value %s %g and <= %g, but got %s instead.", param,
+                                lo_open ? ">" : ">=", lo, hi, big ? big : got);
+    }
     *out = (float)x;
     return 0;
 }
@@ -135,19 +150,32 @@ static int get_integer(const json_t *obj, const char *key, const char *param, lo
                        long long *out, int *given, df_api_error *e) {
     json_t *v = field(obj, key);
     if (!v) return 0;
-    long long x;
-    if (json_is_integer(v)) {
+    const char *big = overflow_text(v);
+    char got[32] = "";
+    long long x = 0;
+    int in_range = 0;
+    if (big) {
+        /* past 64 bits: outside every range */
+    } else if (json_is_integer(v)) {
         x = (long long)json_integer_value(v);
-    } else if (json_is_real(v) && json_real_value(v) == floor(json_real_value(v)) &&
-               fabs(json_real_value(v)) < 9.0e15) {
-        x = (long long)json_real_value(v);
+        in_range = x >= lo && x <= hi;
+        snprintf(got, sizeof got, "%lld", x);
+    } else if (json_is_real(v) && json_real_value(v) == floor(json_real_value(v))) {
+        double r = json_real_value(v); /* finite: the parser holds no inf or nan */
+        if (r >= -0x1p63 && r < 0x1p63) { /* exactly representable as a long long */
+            x = (long long)r;
+            in_range = x >= lo && x <= hi;
+            snprintf(got, sizeof got, "%lld", x);
+        } else {
+            snprintf(got, sizeof got, "%g", r);
+        }
     } else {
         return type_error(e, param, "an integer", v);
     }
-    if (x < lo || x > hi)
+    if (!in_range)
         return df_api_error_set(e, 400, INVALID, "invalid_value", param,
-                                "Invalid '%s': expected an integer >= %lld and <= %lld, but got %lld instead.",
-                                param, lo, hi, x);
+                                "Invalid '%s': expected an integer >= %lld and <= %lld, but got %s instead.",
+                                param, lo, hi, big ? big : got);
     *out = x;
     if (given) *given = 1;
     return 0;
@@ -580,6 +608,9 @@ static int check_ids(const json_t *a, const char *param, int vocab, df_api_error
     json_array_foreach(a, i, x) {
         char p[96];
         snprintf(p, sizeof p, "%s[%zu]", param, i);
+        if (overflow_text(x))
+            return df_api_error_set(e, 400, INVALID, "invalid_value", p,
+                                    "Invalid '%s': token id %s is outside 0..%d.", p, overflow_text(x), vocab - 1);
         if (!json_is_integer(x)) return type_error(e, p, "a token id (an integer)", x);
         json_int_t id = json_integer_value(x);
         if (id < 0 || id >= vocab)
@@ -599,7 +630,7 @@ static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
         if (n == 0)
             return df_api_error_set(e, 400, INVALID, "invalid_value", "prompt", "Invalid 'prompt': the prompt is empty.");
         json_t *first = json_array_get(p, 0);
-        if (json_is_integer(first)) {
+        if (json_is_integer(first) || overflow_text(first)) {
             if (check_ids(p, "prompt", vocab, e)) return -1;
             req->prompts[req->n_prompts++] = p;
         } else {
@@ -639,6 +670,166 @@ static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
     return 0;
 }
 
+/* ---- numbers past the parser's range -------------------------------------------------------- */
+
+/* jansson stops at the first number it cannot hold ("too big integer", "too big negative
+ * integer", "real number overflow"), at the byte after it. Such a number is given the place of
+ * a marker (see overflow_text), so that the field's validator answers as for any value out of
+ * its range, naming the field and the range. */
+
+#define OVERFLOW_MAX 8    /* such numbers read in one request; past that, the parser's error */
+#define OVERFLOW_DEPTH 16 /* nesting levels followed to place one */
+
+/* One nesting level around a number: an object's current key (its quoted text in the body)
+ * or an array's current index. */
+typedef struct json_level {
+    int object;
+    int key_next;        /* object: the next string is a key */
+    size_t key, key_len; /* object */
+    size_t index;        /* array */
+} json_level;
+
+typedef struct overflow {
+    json_level at[OVERFLOW_DEPTH];
+    int depth;
+    char text[64];  /* the number as written (shortened when long) */
+    char param[96]; /* its place, as errors name it: "max_tokens", "logit_bias.5", "prompt[2]" */
+} overflow;
+
+static int is_overflow(const json_error_t *je) {
+    return strstr(je->text, "too big") != NULL || strstr(je->text, "real number overflow") != NULL;
+}
+
+static int is_number_char(char c) {
+    return (c >= '0' && c <= '9') || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E';
+}
+
+/* The number that ends at byte end of body, which the parser read up to there as valid JSON:
+ * its first byte (*start) and its nesting levels (o->at, o->depth). A plain scan suffices as
+ * the text before it is valid JSON. -1 when it is not nested (the body is that number) or
+ * nested deeper than OVERFLOW_DEPTH. */
+static int locate_number(const char *body, size_t end, overflow *o, size_t *start) {
+    int depth = 0;
+    size_t num = SIZE_MAX;
+    for (size_t i = 0; i < end; i++) {
+        char c = body[i];
+        json_level *top = depth > 0 && depth <= OVERFLOW_DEPTH ? &o->at[depth - 1] : NULL;
+        if (c == '"') {
+            size_t s = i++;
+            while (i < end && body[i] != '"') i += body[i] == '\\' ? 2 : 1;
+            if (top && top->object && top->key_next) {
+                top->key = s;
+                top->key_len = i + 1 - s;
+                top->key_next = 0;
+            }
+        } else if (c == '{' || c == '[') {
+            if (depth < OVERFLOW_DEPTH) o->at[depth] = (json_level){.object = c == '{', .key_next = 1};
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (depth > 0) depth--;
+        } else if (c == ',') {
+            if (top && top->object) top->key_next = 1;
+            else if (top) top->index++;
+        } else if ((c == '-' || (c >= '0' && c <= '9')) && (i == 0 || !is_number_char(body[i - 1]))) {
+            num = i;
+        }
+    }
+    if (num == SIZE_MAX || depth == 0 || depth > OVERFLOW_DEPTH || end - num < 4) return -1;
+    for (size_t i = num; i < end; i++)
+        if (!is_number_char(body[i])) return -1;
+    o->depth = depth;
+    *start = num;
+    return 0;
+}
+
+/* The key of object level l, decoded (a JSON string), or NULL. */
+static json_t *level_key(const char *body, const json_level *l) {
+    json_t *k = json_loadb(body + l->key, l->key_len, JSON_DECODE_ANY, NULL);
+    if (json_is_string(k)) return k;
+    json_decref(k);
+    return NULL;
+}
+
+/* Puts a marker holding o->text where o's levels lead in root. -1 when they lead nowhere
+ * (a key given twice, say: the parser keeps the last value). */
+static int place_marker(json_t *root, const char *body, const overflow *o) {
+    json_t *cur = root;
+    for (int k = 0; k < o->depth; k++) {
+        const json_level *l = &o->at[k];
+        const int last = k == o->depth - 1;
+        json_t *marker = NULL;
+        if (last) {
+            marker = json_object();
+            if (!marker || json_object_setn_new(marker, OVERFLOW_KEY, sizeof OVERFLOW_KEY - 1, json_string(o->text))) {
+                json_decref(marker);
+                return -1;
+            }
+        }
+        if (l->object) {
+            json_t *key = level_key(body, l);
+            if (!key || !json_is_object(cur)) {
+                json_decref(key);
+                json_decref(marker);
+                return -1;
+            }
+            if (last) {
+                int rc = json_object_set_new(cur, json_string_value(key), marker);
+                json_decref(key);
+                return rc;
+            }
+            cur = json_object_get(cur, json_string_value(key));
+            json_decref(key);
+        } else {
+            if (!json_is_array(cur) || l->index >= json_array_size(cur)) {
+                json_decref(marker);
+                return -1;
+            }
+            if (last) return json_array_set_new(cur, l->index, marker);
+            cur = json_array_get(cur, l->index);
+        }
+    }
+    return -1; /* (depth 0: the body is the number itself) */
+}
+
+/* After the parser stopped at a number it cannot hold (jerr): parses body again with each
+ * such number (up to OVERFLOW_MAX) read as null, then puts a marker in its place. Fills
+ * over[0, return value). req->root is left NULL (and jerr set) when the body still does not
+ * parse: a later error, or more such numbers. */
+static int read_overflowing_numbers(df_api_request *req, const char *body, size_t len, json_error_t *jerr,
+                                    overflow *over) {
+    char *copy = malloc(len);
+    if (!copy) return 0;
+    memcpy(copy, body, len);
+    int n = 0;
+    while (!req->root && is_overflow(jerr) && n < OVERFLOW_MAX) {
+        overflow *o = &over[n];
+        size_t end = (size_t)jerr->position, start;
+        if (end > len || locate_number(copy, end, o, &start)) break;
+        if (end - start < sizeof o->text) snprintf(o->text, sizeof o->text, "%.*s", (int)(end - start), copy + start);
+        else snprintf(o->text, sizeof o->text, "%.24s... (%zu characters)", copy + start, end - start);
+        size_t used = 0;
+        o->param[0] = 0;
+        for (int k = 0; k < o->depth && used < sizeof o->param; k++) {
+            json_t *key = o->at[k].object ? level_key(copy, &o->at[k]) : NULL;
+            if (o->at[k].object)
+                snprintf(o->param + used, sizeof o->param - used, "%s%s", k ? "." : "",
+                         key ? json_string_value(key) : "?");
+            else snprintf(o->param + used, sizeof o->param - used, "[%zu]", o->at[k].index);
+            json_decref(key);
+            used = strlen(o->param);
+        }
+        /* "null" and spaces take its place: the text keeps its length, so later positions hold */
+        memcpy(copy + start, "null", 4);
+        memset(copy + start + 4, ' ', end - start - 4);
+        n++;
+        req->root = json_loadb(copy, len, JSON_DECODE_ANY, jerr);
+    }
+    /* one that cannot be placed is passed by validation, and df_api_request_parse refuses it */
+    for (int i = 0; req->root && i < n; i++) place_marker(req->root, copy, &over[i]);
+    free(copy);
+    return n;
+}
+
 int df_api_request_parse(df_api_request *req, df_api_route route, const char *body, size_t len,
                          const df_api_context *ctx, df_api_error *e) {
     memset(req, 0, sizeof *req);
@@ -650,11 +841,14 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
         return df_api_error_set(e, 400, INVALID, "invalid_json", NULL,
                                 "The request body is empty; expected a JSON object.");
     req->root = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
+    overflow over[OVERFLOW_MAX];
+    int n_over = 0;
+    if (!req->root && is_overflow(&jerr)) n_over = read_overflowing_numbers(req, body, len, &jerr, over);
     if (!req->root && strstr(jerr.text, "JSON_ALLOW_NUL"))
         return df_api_error_set(e, 400, INVALID, "invalid_value", NULL,
                                 "Strings containing the NUL character (\\u0000) are not supported (line %d, column %d).",
                                 jerr.line, jerr.column);
-    if (!req->root && strstr(jerr.text, "too big"))
+    if (!req->root && is_overflow(&jerr))
         return df_api_error_set(e, 400, INVALID, "invalid_value", NULL,
                                 "A number in the request is out of range: %s (line %d, column %d).", jerr.text,
                                 jerr.line, jerr.column);
@@ -685,6 +879,13 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
         goto done;
     }
     if (parse_sampling(req, ctx, e) || parse_output_options(req, ctx, e)) goto done;
+    if (n_over > 0) { /* a number past the parser's range that no validator read (no field takes one there) */
+        df_api_error_set(e, 400, INVALID, "invalid_value", over[0].param,
+                         "Invalid '%s': the number %s is out of the range this server reads (integers must fit in "
+                         "64 bits, other numbers in a double).",
+                         over[0].param, over[0].text);
+        goto done;
+    }
     rc = 0;
 done:
     if (rc) df_api_request_free(req);
@@ -703,11 +904,11 @@ json_t *df_api_usage(int prompt_tokens, int completion_tokens) {
                      "total_tokens", prompt_tokens + completion_tokens);
 }
 
-json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative) {
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int n_after_first, int speculative) {
     double pms = res->prompt_ms, dms = res->decode_ms;
     json_t *t = json_pack("{s:i, s:f, s:f, s:i, s:f, s:f}", "prompt_n", n_prompt, "prompt_ms", pms,
                           "prompt_per_second", pms > 0 ? n_prompt * 1000.0 / pms : 0.0, "predicted_n", res->n_ids,
-                          "predicted_ms", dms, "predicted_per_second", dms > 0 ? res->n_ids * 1000.0 / dms : 0.0);
+                          "predicted_ms", dms, "predicted_per_second", df_decode_tokens_per_second(n_after_first, dms));
     if (t && speculative) {
         json_object_set_new(t, "draft_rounds", json_integer(res->draft_rounds));
         json_object_set_new(t, "draft_n", json_integer(res->draft_n));
@@ -750,15 +951,46 @@ json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info)
                      "top_logprobs", top);
 }
 
-json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, size_t text_offset0) {
+/* Code points of UTF-8 text (continuation bytes are not counted). */
+static size_t utf8_chars(const char *s, size_t n) {
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++) c += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return c;
+}
+
+void df_api_text_offset_init(df_api_text_offset *o, const char *text, size_t len, int skip_special) {
+    memset(o, 0, sizeof *o);
+    o->skip_special = skip_special;
+    if (!text || !len) return;
+    json_t *t = df_json_text(text, len); /* the text as the answer carries it */
+    if (t) o->chars = utf8_chars(json_string_value(t), json_string_length(t));
+    json_decref(t);
+}
+
+/* Advances o past token id's text, decoded as the generation's text is (decode/textout.c). */
+static void text_offset_advance(df_api_text_offset *o, const df_tokenizer *tok, int32_t id) {
+    if (o->skip_special && df_tokenizer_is_special(tok, id)) return;
+    size_t n = 0;
+    const char *piece = df_tokenizer_piece(tok, id, &n);
+    if (!piece) return;
+    while (n > 0) { /* in slices, into a bounded buffer */
+        const size_t k = n < 64 ? n : 64;
+        char out[3 * (64 + 8)];
+        size_t w = df_utf8_sanitize((const unsigned char *)piece, k, o->pend, &o->n_pend, 0, out);
+        o->chars += utf8_chars(out, w);
+        piece += k;
+        n -= k;
+    }
+}
+
+json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, df_api_text_offset *off) {
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
-    size_t off = text_offset0;
     for (int i = 0; i < n; i++) {
         json_t *t, *b;
         token_text(tok, info[i].id, &t, &b);
         json_decref(b);
-        json_array_append_new(offs, json_integer((json_int_t)off));
-        if (t) off += json_string_length(t);
+        json_array_append_new(offs, json_integer((json_int_t)off->chars));
+        text_offset_advance(off, tok, info[i].id);
         json_array_append_new(tokens, t ? t : json_string(""));
         json_array_append_new(lps, logprob_value(info[i].logprob));
         json_t *top = json_object();

@@ -83,15 +83,32 @@ json_t *df_json_text(const char *text, size_t len);
 json_t *df_api_usage(int prompt_tokens, int completion_tokens);
 
 /* llama.cpp's timings: prompt_n, prompt_ms, prompt_per_second, predicted_n, predicted_ms,
- * predicted_per_second, and with speculative decoding draft_rounds, draft_n,
- * draft_n_accepted, plain_steps (rounds decoded as plain steps), draft_ms, verify_ms. */
-json_t *df_api_timings(const df_gen_result *res, int n_prompt, int speculative);
+ * predicted_per_second (df_decode_tokens_per_second of n_after_first, the tokens after the
+ * first of each generation summed in res), and with speculative decoding draft_rounds,
+ * draft_n, draft_n_accepted, plain_steps (rounds decoded as plain steps), draft_ms, verify_ms. */
+json_t *df_api_timings(const df_gen_result *res, int n_prompt, int n_after_first, int speculative);
 
 /* One chat logprobs entry {"token", "logprob", "bytes", "top_logprobs": [...]} for info. */
 json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info);
 
+/* Where the legacy completions text_offset stands: the characters (Unicode code points, as a
+ * Python str counts them) of the returned text that come before the next token, and the bytes
+ * of a UTF-8 sequence that the tokens so far left unfinished. A token's offset is where its
+ * text begins in the returned text (a token that only starts a multi-byte character points at
+ * that character), so offsets index the text (echo included) and never pass its end. */
+typedef struct df_api_text_offset {
+    size_t chars;
+    unsigned char pend[8];
+    int n_pend;
+    int skip_special;      /* special tokens add no text (df_gen_params.skip_special) */
+} df_api_text_offset;
+
+/* A state that starts after text[len] (the echoed prompt; NULL/0 for none), as the answer
+ * returns it (df_json_text). */
+void df_api_text_offset_init(df_api_text_offset *o, const char *text, size_t len, int skip_special);
+
 /* The legacy completions logprobs object {"tokens", "token_logprobs", "top_logprobs",
- * "text_offset"} for n tokens; offsets count from text_offset0. */
-json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, size_t text_offset0);
+ * "text_offset"} for n tokens; offsets from *off, which advances past their text. */
+json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, df_api_text_offset *off);
 
 #endif

@@ -24,6 +24,7 @@ df_server_options df_server_options_default(void) {
     o.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
     o.max_connections = 64;
     o.timeout_s = 30;
+    o.request_timeout_s = 60;
     o.queue = DF_SERVER_DEFAULT_QUEUE;
     o.top_logprobs_k = DF_MAX_TOP_LOGPROBS;
     o.spec = df_spec_params_default();
@@ -155,6 +156,7 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
     if (opt.max_header == 0) opt.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
     if (opt.max_connections == 0) opt.max_connections = 64;
     if (opt.timeout_s == 0) opt.timeout_s = 30;
+    if (opt.request_timeout_s == 0) opt.request_timeout_s = 60;
 
     df_server *srv = calloc(1, sizeof *srv);
     if (!srv) return df_error_set(err, DF_ERR_NOMEM, "server: out of memory");
@@ -519,15 +521,19 @@ static int route_completion(df_server *srv, const df_http_request *req, df_route
     }
     log_arrival(srv, j);
     resp->x_dflash = j->x_dflash;
-    if (j->req.stream) {
+    /* This connection's own thread waits: for a stream, until its generation starts (then the
+     * 200 headers go and the events follow) or the job ends without starting (turned away at
+     * shutdown: a JSON error with its real status); otherwise until the answer is complete. */
+    pthread_mutex_lock(&j->lock);
+    while (!j->finished && !(j->req.stream && j->started)) pthread_cond_wait(&j->cond, &j->lock);
+    const int streaming = j->req.stream && j->started;
+    pthread_mutex_unlock(&j->lock);
+    if (streaming) {
         resp->status = 200;
         resp->content_type = "text/event-stream; charset=utf-8";
         resp->stream = j; /* the handler's reference passes to the stream */
         return 1;
     }
-    pthread_mutex_lock(&j->lock);
-    while (!j->finished) pthread_cond_wait(&j->cond, &j->lock);
-    pthread_mutex_unlock(&j->lock);
     resp->retry_after = j->retry_after;
     json_t *body = j->body;
     j->body = NULL;
@@ -620,7 +626,11 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
     df_route_label route = classify(path);
     df_api_error e;
 
-    if (route == DF_ROUTE_HEALTH) { /* no key needed: for load balancers and probes */
+    if (req->timed_out) {
+        df_api_error_set(&e, 408, "invalid_request_error", "request_timeout", NULL,
+                         "The request was not received within %u s.", srv->opt.request_timeout_s);
+        set_error(resp, &e);
+    } else if (route == DF_ROUTE_HEALTH) { /* no key needed: for load balancers and probes */
         if (!get) method_not_allowed(m, path, "GET", resp);
         else route_health(srv, resp);
     } else if (!authorized(srv, req->authorization)) {

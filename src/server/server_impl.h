@@ -43,7 +43,7 @@ typedef struct df_metrics {
     uint64_t prompt_tokens, generated_tokens;
     uint64_t draft_rounds, draft_n, draft_accepted, plain_steps;
     uint64_t speculative, plain, errors, cancelled;
-    double last_tps;       /* decode tok/s of the last generation */
+    double last_tps;       /* decode tok/s of the last generation of 2 tokens or more */
     double gen_seconds;    /* generation wall time, summed */
     double draft_seconds, verify_seconds; /* speculative rounds: drafter and verify passes, summed */
     double avg_job_s;      /* running mean of a job's time (for Retry-After) */
@@ -87,6 +87,8 @@ struct df_server_stream {
     jbuf out;                     /* stream: SSE bytes not yet read */
     size_t out_pos;               /* bytes of out already read */
     int finished;                 /* the worker is done (out complete / result set) */
+    int started;                  /* the worker began its generation: a stream's 200 may go; a
+                                   * job that ends before (shutdown, queue) answers in JSON */
     atomic_int cancelled;         /* the client went away */
     int client_fd;                /* dup of the client's socket, or -1 */
     char id[48];
@@ -96,6 +98,7 @@ struct df_server_stream {
     json_t *body;                 /* non-streamed answer (or error object) */
     int retry_after;
     int prompt_tokens, completion_tokens;
+    int decoded_tokens;           /* completion tokens after the first of each prompt (decode speed) */
     const char *finish;
     double prompt_ms, decode_ms;
     int draft_rounds, draft_n, draft_accepted, plain_steps;
@@ -139,6 +142,7 @@ struct df_server {
     uint64_t id_seed;
     time_t created;
     void *daemon;                 /* struct MHD_Daemon * while listening */
+    void *watch;                  /* http.c's watch of the connections' request deadlines */
     int bound_port;
     df_metrics metrics;
 };

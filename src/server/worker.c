@@ -3,8 +3,9 @@
  * Server-Sent Events (OpenAI chat.completion.chunk / text_completion chunks).
  *
  * One thread runs every generation on the server's single session. A job's text callback
- * checks, once per token (so within one speculative round), whether the server is stopping
- * or the client went away (its socket polled for a hang-up), and stops the generation if so.
+ * checks, once per token (so within one speculative round), and its should_stop callback
+ * before each prefill chunk of 16 prompt tokens, whether the server is stopping or the client
+ * went away (its socket polled for a hang-up), and stops the generation if so.
  */
 #include "server/server_impl.h"
 
@@ -164,7 +165,7 @@ typedef struct gen_ctx {
     df_chat_deltas deltas;
     df_token_info *pending;   /* stream with logprobs: token infos not yet sent */
     int n_pending, cap_pending;
-    size_t text_sent;         /* completions stream: bytes sent (legacy text_offset) */
+    df_api_text_offset offset; /* completions stream: the legacy text_offset of the next token */
     int client_gone;
 } gen_ctx;
 
@@ -182,6 +183,9 @@ static int should_stop(gen_ctx *c) {
     return 0;
 }
 
+/* df_gen_params.should_stop: polled between prefill chunks. */
+static int prefill_should_stop(void *user) { return should_stop(user); }
+
 /* The pending token infos as a chunk's logprobs (and clears them), or NULL when none. */
 static json_t *take_logprobs(gen_ctx *c) {
     if (!c->j->req.gen.logprobs || c->n_pending == 0) return NULL;
@@ -193,7 +197,7 @@ static json_t *take_logprobs(gen_ctx *c) {
             json_array_append_new(content, df_api_logprob_entry(tok, &c->pending[i]));
         lp = json_pack("{s:o*}", "content", content);
     } else {
-        lp = df_api_completion_logprobs(tok, c->pending, c->n_pending, c->text_sent);
+        lp = df_api_completion_logprobs(tok, c->pending, c->n_pending, &c->offset);
     }
     c->n_pending = 0;
     return lp;
@@ -248,15 +252,16 @@ static int on_text(void *user, int32_t id, const char *text, size_t len) {
     } else if (len) {
         json_t *t = df_json_text(text, len);
         json_t *lp = take_logprobs(c);
-        c->text_sent += len;
         sse_json(j, t ? chunk(j, c->index, t, lp, NULL) : NULL);
     }
     return atomic_load(&j->cancelled);
 }
 
+/* The OpenAI finish_reason: "length" whenever the token limit (max_tokens, the context) cut
+ * the output, even after complete tool calls; else "tool_calls" when there are some. */
 static const char *finish_name(const df_gen_result *res, int tool_calls) {
-    if (tool_calls > 0) return "tool_calls";
-    return res->finish == DF_FINISH_LENGTH ? "length" : "stop";
+    if (res->finish == DF_FINISH_LENGTH) return "length";
+    return tool_calls > 0 ? "tool_calls" : "stop";
 }
 
 static df_status new_parser(const df_job *j, df_chat_parser **p, df_error *err) {
@@ -298,12 +303,13 @@ static void finish_job(df_job *j, int status) {
     pthread_mutex_unlock(&j->lock);
 }
 
-/* Ends a job with an error: a JSON error body, or an error event in a stream. */
+/* Ends a job with an error: a JSON error body (with its HTTP status), or an error event in a
+ * stream that has started (its 200 went out). */
 static void fail_job(df_job *j, int status, const char *type, const char *code, const char *msg) {
     df_api_error e;
     df_api_error_set(&e, status, type, code, NULL, "%s", msg);
     snprintf(j->note, sizeof j->note, "%s", msg);
-    if (j->req.stream) {
+    if (j->req.stream && j->started) {
         sse_json(j, df_api_error_json(&e));
     } else {
         json_decref(j->body);
@@ -316,6 +322,7 @@ static void fail_job(df_job *j, int status, const char *type, const char *code, 
 static void add_result(df_job *j, const df_gen_result *res) {
     j->prompt_tokens += res->n_prompt;
     j->completion_tokens += res->n_ids;
+    if (res->n_ids > 1) j->decoded_tokens += res->n_ids - 1;
     j->prompt_ms += res->prompt_ms;
     j->decode_ms += res->decode_ms;
     j->draft_rounds += res->draft_rounds;
@@ -339,12 +346,16 @@ static json_t *job_timings(const df_job *j) {
     sum.plain_steps = j->plain_steps;
     sum.draft_ms = j->draft_ms;
     sum.verify_ms = j->verify_ms;
-    return df_api_timings(&sum, j->prompt_tokens, j->speculative);
+    return df_api_timings(&sum, j->prompt_tokens, j->decoded_tokens, j->speculative);
 }
 
 static void run_job(df_job *j) {
     df_server *srv = j->srv;
     const int stream = j->req.stream, chat = is_chat(j);
+    pthread_mutex_lock(&j->lock); /* admitted: a stream's answer is a 200 stream from now on */
+    j->started = 1;
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
     const df_tokenizer *tok = df_engine_tokenizer(srv->eng);
     json_t *choices = json_array();
     gen_ctx c;
@@ -356,7 +367,7 @@ static void run_job(df_job *j) {
         sse_json(j, chunk(j, 0, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL, NULL));
     for (int i = 0; i < j->n_prompts && st == DF_OK; i++) {
         c.index = i;
-        c.text_sent = 0;
+        df_api_text_offset_init(&c.offset, j->echo[i], j->echo[i] ? strlen(j->echo[i]) : 0, j->req.gen.skip_special);
         c.n_pending = 0;
         if (stream && chat) {
             st = new_parser(j, &c.parser, &err);
@@ -364,15 +375,14 @@ static void run_job(df_job *j) {
             if (st) break;
             send_deltas(&c);
         }
-        if (stream && !chat && j->echo[i]) {
-            c.text_sent = strlen(j->echo[i]);
-            sse_json(j, chunk(j, i, df_json_text(j->echo[i], c.text_sent), NULL, NULL));
-        }
+        if (stream && !chat && j->echo[i])
+            sse_json(j, chunk(j, i, df_json_text(j->echo[i], strlen(j->echo[i])), NULL, NULL));
         df_gen_params gp = j->req.gen;
         gp.max_tokens = j->max_tokens;
         gp.forced_ids = j->forced;
         gp.n_forced_ids = j->n_forced;
         gp.on_token = gp.logprobs ? on_token_info : NULL;
+        gp.should_stop = prefill_should_stop;
         df_gen_result res;
         memset(&res, 0, sizeof res);
         if (j->speculative)
@@ -401,7 +411,7 @@ static void run_job(df_job *j) {
                 json_t *lp = NULL;
                 if (res.token_info) {
                     json_t *content = json_array();
-                    for (int k = 0; content && k < res.n_ids; k++)
+                    for (int k = 0; content && k < res.n_token_info; k++)
                         json_array_append_new(content, df_api_logprob_entry(tok, &res.token_info[k]));
                     lp = json_pack("{s:o*}", "content", content);
                 }
@@ -409,8 +419,9 @@ static void run_job(df_job *j) {
                                          lp ? lp : json_null(), "finish_reason", finish_name(&res, calls))
                              : NULL;
             } else {
-                size_t off = j->echo[i] ? strlen(j->echo[i]) : 0;
-                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_ids, off) : NULL;
+                df_api_text_offset off;
+                df_api_text_offset_init(&off, j->echo[i], j->echo[i] ? strlen(j->echo[i]) : 0, j->req.gen.skip_special);
+                json_t *lp = res.token_info ? df_api_completion_logprobs(tok, res.token_info, res.n_token_info, &off) : NULL;
                 jbuf t = {0};
                 if (jbuf_puts(&t, j->echo[i] ? j->echo[i] : "") || jbuf_put(&t, res.text ? res.text : "", res.text_len))
                     choice = NULL;
@@ -446,7 +457,7 @@ static void run_job(df_job *j) {
         if (st == DF_ERR_RANGE || st == DF_ERR_INVALID_ARG)
             fail_job(j, 400, "invalid_request_error", "invalid_value", msg);
         else
-            fail_job(j, 500, "server_error", NULL, msg);
+            fail_job(j, 500, "server_error", st == DF_ERR_NUMERIC ? "non_finite_logits" : NULL, msg);
         return;
     }
     if (stream) {
@@ -539,7 +550,7 @@ void *df_worker_main(void *arg) {
 void df_job_log_end(df_job *j, int status) {
     df_server *srv = j->srv;
     double total_ms = df_ms_since(&j->t0);
-    double tps = j->decode_ms > 0 ? j->completion_tokens * 1000.0 / j->decode_ms : 0.0;
+    double tps = df_decode_tokens_per_second(j->decoded_tokens, j->decode_ms);
     df_metrics *m = &srv->metrics;
     df_metrics_request(m, j->route, status);
     pthread_mutex_lock(&m->lock);
@@ -555,7 +566,7 @@ void df_job_log_end(df_job *j, int status) {
     else m->plain++;
     if (status >= 400 && status != 499) m->errors++;
     if (status == 499) m->cancelled++;
-    if (j->completion_tokens > 0) m->last_tps = tps;
+    if (j->decoded_tokens > 0) m->last_tps = tps;
     m->gen_seconds += (j->prompt_ms + j->decode_ms) / 1000.0;
     m->avg_job_s = m->avg_job_s > 0 ? 0.8 * m->avg_job_s + 0.2 * total_ms / 1000.0 : total_ms / 1000.0;
     pthread_mutex_unlock(&m->lock);

@@ -15,8 +15,10 @@ for tiny-bonsai2, whose shapes the demo model shares).
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -47,6 +49,22 @@ def model_args():
     return ["--model", d] if d else []
 
 
+def nan_pack(dst):
+    """A copy of the tests' pack in dst with every F16 tensor filled with NaN (0x7fff): its
+    logits are never finite. Returns dst as a string."""
+    src = pathlib.Path(model_dir() or SOURCE_DIR / "models" / "demo")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference*"))
+    path = pathlib.Path(dst) / "model.safetensors"
+    b = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", b[:8])[0]
+    for name, t in json.loads(b[8:8 + n]).items():
+        if name != "__metadata__" and t["dtype"] == "F16":
+            lo, hi = t["data_offsets"]
+            b[8 + n + lo:8 + n + hi] = b"\xff\x7f" * ((hi - lo) // 2)
+    path.write_bytes(bytes(b))
+    return str(dst)
+
+
 def base_env():
     """The environment for the binary: no DFLASH_MODEL / DFLASH_API_KEY from the caller."""
     env = dict(os.environ)
@@ -73,8 +91,10 @@ def free_port():
 class Server:
     """A `dflash serve` process on a free port, its stderr in a log file."""
 
-    def __init__(self, *extra, env=None):
+    def __init__(self, *extra, env=None, model=None):
+        """model: a pack folder instead of the tests' pack."""
         self.extra = list(extra)
+        self.model_args = ["--model", model] if model else model_args()
         self.env = env if env is not None else base_env()
         self.log = tempfile.NamedTemporaryFile(prefix="dflash-serve-", suffix=".log", delete=False)
         self.proc = None
@@ -82,7 +102,7 @@ class Server:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self.proc = subprocess.Popen(
-                [DFLASH_BIN, "serve", "--port", str(self.port), *model_args(), *self.extra],
+                [DFLASH_BIN, "serve", "--port", str(self.port), *self.model_args, *self.extra],
                 stdout=subprocess.DEVNULL, stderr=self.log, env=self.env)
             if self._wait_ready():
                 return

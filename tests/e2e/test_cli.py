@@ -4,11 +4,13 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, base_env, chatml, model_args, model_dir, nan_pack, run_cli, tokenize
 
 DRAFT_OPTIONS = ["--drafter", "--draft-block", "--draft-adaptive", "--draft-block-min", "--draft-block-max",
                  "--draft-always", "--draft-window", "--draft-quant", "--no-draft"]
@@ -20,7 +22,7 @@ COMMAND_OPTIONS = {
     "render": ["--model", "--request", "--enable-thinking", "--ids", "--help"],
     "serve": ["--model", "--host", "--port", "--model-id", "--api-key", "--threads", "--device", "--ctx-size", "--max-tokens",
               "--enable-thinking", "--top-logprobs-k", "--queue", *DRAFT_OPTIONS, "--max-body", "--max-header",
-              "--max-connections", "--timeout", "--test-hooks", "--help"],
+              "--max-connections", "--timeout", "--request-timeout", "--test-hooks", "--help"],
 }
 
 
@@ -82,6 +84,36 @@ def test_generate_seed_and_stop():
         s = generate_json("--chat", "Tell me a story.", "--max-tokens", "40", "--stop", stop)
         assert s["text"] == g["text"][:g["text"].find(stop)]
         assert s["finish_reason"] == "stop"
+
+
+def test_ctrl_c_interrupts_a_long_prefill():
+    """Ctrl-C while a prompt of ~3900 tokens is prefilled (seconds on the CPU) stops at the next
+    prefill chunk: no token is generated and the process exits 130 at once."""
+    ids = ",".join(str(276 + i % 50) for i in range(3900))
+    p = subprocess.Popen([DFLASH_BIN, "generate", *model_args(), "--prompt-ids", ids, "--max-tokens", "1", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env())
+    time.sleep(1.5)   # loaded (a fraction of a second) and prefilling
+    assert p.poll() is None, "the prefill ended before the test could interrupt it"
+    p.send_signal(signal.SIGINT)
+    t0 = time.time()
+    out, err = p.communicate(timeout=120)
+    elapsed = time.time() - t0
+    assert p.returncode == 130, err
+    res = json.loads(out)
+    assert res["finish_reason"] == "cancelled"
+    assert res["ids"] == []   # stopped during the prefill, before the first token
+    assert elapsed < 2.5, f"took {elapsed:.1f} s to stop"
+
+
+def test_non_finite_logits_fail_generation(tmp_path):
+    """A pack whose logits are NaN fails with a message and exit status 1, plain, sampled and
+    speculative, instead of generating token 0 over and over."""
+    pack = nan_pack(tmp_path / "nan")
+    for extra in ([], ["--temperature", "0.8", "--seed", "1"], ["--drafter", DRAFTER]):
+        p = run_cli("generate", "--model", pack, "--prompt", "hi", "--max-tokens", "3", "--json", *extra)
+        assert p.returncode == 1, (extra, p.stdout, p.stderr)
+        assert p.stdout == ""
+        assert "non-finite logits" in p.stderr
 
 
 @pytest.mark.parametrize("text", ["Hello world", "def f(x):\n    return x * 2\n",
@@ -161,6 +193,12 @@ def test_top_level_help_and_errors():
     ["generate", "--chat", "hi", "--drafter", "x", "--draft-always", "--no-draft"],
     ["serve", "--ctx-size", "40000"],
     ["synth", "--out", "a", "--out", "b"],
+    ["synth", "--out", "a", "--seed", "abc"],
+    ["synth", "--out", "a", "--seed", "1.5"],
+    ["synth", "--out", "a", "--seed", "-5"],
+    ["synth", "--out", "a", "--seed", "18446744073709551616"],
+    ["synth", "--out", "a", "--seed", ""],
+    ["synth", "--out", "a", "--config", "huge"],
     ["generate", "--chat", "hi", "--messages", "f.json"],
     ["render"],
     ["render", "--request", "f.json", "--bogus"],
@@ -170,6 +208,61 @@ def test_usage_errors_exit_2(args):
     assert p.returncode == 2, (args, p.stdout, p.stderr)
     assert p.stderr.strip()
     assert p.stdout == ""
+
+
+@pytest.mark.parametrize("args,option", [
+    (["generate", "--chat", "hi", "--model", "--json"], "--model"),
+    (["generate", "--model", "--prompt", "hi"], "--model"),
+    (["generate", "--chat", "hi", "--stop", "--json"], "--stop"),
+    (["generate", "--chat", "hi", "--max-tokens", "--json"], "--max-tokens"),
+    (["tokenize", "--text", "--skip-special"], "--text"),
+    (["render", "--request", "--ids"], "--request"),
+    (["serve", "--port", "--host", "127.0.0.1"], "--port"),
+    (["serve", "--api-key", "--host", "0.0.0.0"], "--api-key"),
+    (["synth", "--out", "--config", "tiny"], "--out"),
+    (["bench", "--device", "cpu", "--model", "--ctx", "8"], "--model"),
+])
+def test_option_value_is_never_the_next_option(args, option):
+    """An option that takes a value, followed by another option, lacks its value: a usage error
+    naming it (the next option is not taken as its value)."""
+    p = run_cli(*args)
+    assert p.returncode == 2, (args, p.stdout, p.stderr)
+    assert f"{option} needs a value" in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
+def test_option_values_that_look_like_options():
+    """Negative numbers are values; a value that starts with '--' is given as --name=VALUE."""
+    p = run_cli("tokenize", *model_args(), "--text=--model")
+    assert p.returncode == 0, p.stderr
+    ids = json.loads(p.stdout)
+    p = run_cli("tokenize", *model_args(), "--decode", ",".join(map(str, ids)))
+    assert p.returncode == 0 and p.stdout.rstrip("\n") == "--model", (p.stdout, p.stderr)
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--seed", "-1", "--max-tokens", "1", "--stop=--", "--json")
+    assert p.returncode == 0, p.stderr
+
+
+def test_readme_lists_every_generate_and_serve_option():
+    """The README's Generate and Serve sections name every option their --help lists."""
+    readme = (SOURCE_DIR / "README.md").read_text()
+    sections = {"generate": readme.split("### Generate", 1)[1].split("### Render", 1)[0],
+                "serve": readme.split("### Serve", 1)[1].split("Endpoints:", 1)[0]}
+    for command, text in sections.items():
+        for option in COMMAND_OPTIONS[command]:
+            if option != "--help":
+                assert f"`{option}" in text, (command, option)
+
+
+def test_top_p_range_matches_the_server():
+    """--top-p takes (0, 1] like the server's top_p; a size limit's error prints an integer."""
+    for v in ("0", "-0.5", "1.5"):
+        p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
+        assert p.returncode == 2 and "above 0 and at most 1" in p.stderr, (v, p.stderr)
+    for v in ("1e-7", "1"):
+        p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
+        assert p.returncode == 0, (v, p.stderr)
+    p = run_cli("serve", "--max-body", "99999999999")
+    assert p.returncode == 2 and "from 1024 to 1073741824" in p.stderr, p.stderr
 
 
 def test_unknown_option_names_it():

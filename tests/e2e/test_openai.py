@@ -236,14 +236,14 @@ def test_tool_call_named_choice_with_logit_bias(server):
     full, h = chat(server.url, body)
     assert h["x-dflash"] == "fallback; reason=logit_bias"
     choice = full["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
+    assert choice["finish_reason"] == "length"   # the call is whole, but max_tokens ended the output
     assert choice["message"]["content"] is None
     calls = message_calls(choice["message"])
     assert len(calls) == 1 and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {}
     assert calls[0]["id"].startswith("call_")
     _, events = stream(server.url, body)
     _, content, _, scalls, finish, _ = assemble(events)
-    assert scalls == calls and finish == "tool_calls" and content == ""   # same ids: same seed
+    assert scalls == calls and finish == "length" and content == ""   # same ids: same seed
 
 
 def test_tool_calls_streamed_arguments_equal(server):
@@ -272,6 +272,29 @@ def test_tool_calls_streamed_arguments_equal(server):
                                          temperature=0, seed=3, extra_body=extra)
     assert [(c.function.name, c.function.arguments) for c in sdk.choices[0].message.tool_calls] == \
         [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_tool_calls_cut_by_max_tokens_finish_with_length(server):
+    """A complete call followed by one that max_tokens cuts: the complete one is a tool call,
+    the unfinished rest stays content, and finish_reason is "length", streamed and not."""
+    forced = ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+              "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>" + IM_END)
+    body = {"messages": msgs("Time and weather?"), "tools": TOOLS, "temperature": 0, "seed": 3,
+            "dflash_forced_output": forced}
+    whole, _ = chat(server.url, {**body, "max_tokens": 200})
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(whole["choices"][0]["message"]["tool_calls"]) == 2
+    n = whole["usage"]["completion_tokens"]
+    cut, _ = chat(server.url, {**body, "max_tokens": n - 6})
+    c = cut["choices"][0]
+    assert cut["usage"]["completion_tokens"] == n - 6
+    assert c["finish_reason"] == "length"
+    assert [x["name"] for x in message_calls(c["message"])] == ["get_time"]
+    assert "<tool_call>" in c["message"]["content"]   # the unfinished second call
+    _, events = stream(server.url, {**body, "max_tokens": n - 6})
+    _, content, _, scalls, finish, _ = assemble(events)
+    assert finish == "length" and [x["name"] for x in scalls] == ["get_time"]
+    assert content == c["message"]["content"]
 
 
 def test_tool_call_json_form_and_none(server):
@@ -426,6 +449,56 @@ def test_completions_logprobs_legacy_shape(server):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_completions_text_offset_indexes_the_text(server):
+    """text_offset counts characters of the returned text: a token that only begins a
+    multi-byte character points at that character, and no offset passes the end; streamed
+    chunks carry the same offsets."""
+    body = {"prompt": "x", "temperature": 0, "logprobs": 1, "dflash_forced_output": "héllo wörld 🙂"}
+    for max_tokens in (6, 9, 40):
+        r = post(server.url, "/v1/completions", {**body, "max_tokens": max_tokens})
+        c = r.json()["choices"][0]
+        text, offs = c["text"], c["logprobs"]["text_offset"]
+        assert offs == sorted(offs) and all(0 <= o <= len(text) for o in offs), (text, offs)
+        if max_tokens == 6:
+            assert text == "héllo w"
+            assert offs == [0, 1, 1, 2, 3, 5]   # 'h', the two halves of 'é', 'l', 'lo', ' w'
+        # each whole-character token's text stands at its offset (special tokens add no text)
+        for tok, o in zip(c["logprobs"]["tokens"], offs):
+            if "\ufffd" not in tok and not (tok.startswith("<|") and tok.endswith("|>")):
+                assert text[o:o + len(tok)] == tok, (tok, o, text)
+        _, events = stream(server.url, {**body, "max_tokens": max_tokens, "stream": True}, path="/v1/completions")
+        soffs = [o for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+                 for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert soffs == offs
+
+
+@pytest.mark.parametrize("stop,content,tokens", [("lo w", "hel", ["he", "l"]), ("llo", "he", ["he"]),
+                                                 ("he", "", []), ("xyz", "hello world", None)])
+def test_logprobs_end_with_the_returned_text(server, stop, content, tokens):
+    """Logprobs cover the tokens whose text is (at least partly) in the returned text: a matched
+    stop string's tokens are left out, streamed and not, chat and completions; usage still
+    counts every generated token."""
+    base = {"temperature": 0, "stop": stop, "dflash_forced_output": "hello world" + IM_END}
+    r = post(server.url, "/v1/completions", {**base, "prompt": "x", "max_tokens": 12, "logprobs": 1}).json()
+    c = r["choices"][0]
+    assert c["text"] == content
+    got = c["logprobs"]["tokens"]
+    if tokens is None:   # no stop string matched: every token, the end-of-text one included
+        assert "".join(got[:-1]) == content and len(got) == r["usage"]["completion_tokens"]
+    else:
+        assert got == tokens
+        assert r["usage"]["completion_tokens"] > len(tokens)   # the stop string's tokens were generated
+    assert all(o <= len(content) for o in c["logprobs"]["text_offset"])
+    _, events = stream(server.url, {**base, "prompt": "x", "max_tokens": 12, "logprobs": 1}, path="/v1/completions")
+    assert [t for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+            for t in e["choices"][0]["logprobs"]["tokens"]] == got
+    ch = chat(server.url, {**base, "messages": msgs("x"), "max_tokens": 12, "logprobs": True})[0]
+    assert [e["token"] for e in ch["choices"][0]["logprobs"]["content"]] == got
+    _, events = stream(server.url, {**base, "messages": msgs("x"), "max_tokens": 12, "logprobs": True})
+    assert [x["token"] for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]
+            for x in e["choices"][0]["logprobs"]["content"]] == got
+
+
 def test_logit_bias_forces_and_bans(server):
     base = {"messages": msgs("Hello"), "max_tokens": 5, "temperature": 0}
     forced = chat(server.url, {**base, "logit_bias": {"1300": 100}, "logprobs": True})[0]
@@ -504,6 +577,28 @@ def test_metrics(server):
         assert abs((after[name] - before[name]) - ms / 1000.0) < 1e-6, name
     assert after["dflash_tokens_per_second"] > 0
     assert after["dflash_queue_depth"] == 0 and after["dflash_model_loaded"] == 1
+
+
+def test_decode_speed_counts_the_tokens_after_the_first(server):
+    """predicted_per_second, the log's tok/s and dflash_tokens_per_second are the tokens after
+    the first (which the prefill gives) over predicted_ms: 0 for a single token, and a single
+    token leaves the gauge as the last real generation set it."""
+    base = {"messages": msgs("Hello"), "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}}
+    many, _ = chat(server.url, {**base, "max_tokens": 6})
+    t = many["timings"]
+    assert t["predicted_n"] == 6
+    assert abs(t["predicted_per_second"] - 5 * 1000.0 / t["predicted_ms"]) < 1e-6 * t["predicted_per_second"]
+    gauge = metrics(server.url)["dflash_tokens_per_second"]
+    assert abs(gauge - t["predicted_per_second"]) < 1e-3 * gauge
+    one, _ = chat(server.url, {**base, "max_tokens": 1})
+    assert one["timings"]["predicted_n"] == 1 and one["timings"]["predicted_per_second"] == 0
+    assert metrics(server.url)["dflash_tokens_per_second"] == gauge
+    _, events = stream(server.url, {**base, "max_tokens": 1})
+    assert [e for e in events if e != "[DONE]" and "timings" in e][0]["timings"]["predicted_per_second"] == 0
+    last = [l for l in server.log_text().splitlines() if "POST /v1/chat/completions 200" in l][-1]
+    assert " completion=1 " in last and " 0.0 tok/s" in last, last
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1")
+    assert p.returncode == 0 and "generated 1 tokens in" in p.stderr and "(0.0 tok/s)" in p.stderr, p.stderr
 
 
 # ---- queue, cancellation, shutdown ------------------------------------------------------
@@ -596,6 +691,39 @@ def test_shutdown_during_stream():
         assert rest and "shutting down" in rest[-1]
         assert s.proc.wait(60) == 0
         assert "stopped" in s.log_text()
+
+
+def test_queued_stream_turned_away_at_shutdown_gets_503():
+    """A streamed request still waiting in the queue has no answer yet: at shutdown it gets a
+    real 503 JSON error (the 200 and the events come only once its generation starts)."""
+    with Server() as s:
+        long_req = {"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0,
+                    "logit_bias": {"1984": -100, "1986": -100}, "stream": True}
+        r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60, json=long_req)
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")   # the long generation runs
+        queued = {}
+
+        def wait_in_queue():
+            q = requests.post(s.url + "/v1/completions", timeout=60,
+                              json={"prompt": "x", "max_tokens": 4, "stream": True})
+            queued.update(status=q.status_code, headers=q.headers, text=q.text)
+        t = threading.Thread(target=wait_in_queue)
+        t.start()
+        deadline = time.time() + 30
+        while metrics(s.url)["dflash_queue_depth"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert queued["status"] == 503, queued
+        assert queued["headers"]["Content-Type"].startswith("application/json")
+        assert int(queued["headers"]["Retry-After"]) >= 1
+        assert json.loads(queued["text"])["error"]["code"] == "shutting_down"
+        rest = [x.decode() for x in lines if x]
+        assert rest and "shutting down" in rest[-1]   # the running stream ends with an error event
+        assert s.proc.wait(60) == 0
+        assert s.log_text().count(" 503 ") >= 2
 
 
 def test_load_failure_exits_1(tmp_path):

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, model_args, model_dir, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize
 
 PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "What is 2+2?", "class Stack:",
            "for i in range(10):", "Tell me a story."]
@@ -410,6 +410,77 @@ def test_shutdown_during_generation():
         t.join(60)
         assert result.get("status") == 503, result
         assert "shutting down" in s.log_text()
+
+
+LONG_PROMPT_IDS = [276 + i % 50 for i in range(3900)]   # seconds of prefill on the CPU
+
+
+def wait_for_log(s, text, timeout=60):
+    deadline = time.time() + timeout
+    while text not in s.log_text():
+        assert time.time() < deadline, f"{text!r} not logged:\n{s.log_text()[-2000:]}"
+        time.sleep(0.05)
+
+
+def test_shutdown_during_long_prefill():
+    """SIGTERM while a long prompt is prefilled stops at the next prefill chunk: the request
+    gets 503 before any token is generated and the process exits at once."""
+    with Server() as s:
+        result = {}
+
+        def long_request():
+            r = requests.post(s.url + "/v1/completions", timeout=120,
+                              json={"prompt": LONG_PROMPT_IDS, "max_tokens": 1, "temperature": 0})
+            result["status"] = r.status_code
+        t = threading.Thread(target=long_request)
+        t.start()
+        wait_for_log(s, "POST /v1/completions: mode=")
+        time.sleep(0.5)   # prefilling
+        t0 = time.time()
+        assert s.stop(signal.SIGTERM, timeout=60) == 0
+        elapsed = time.time() - t0
+        t.join(60)
+        assert result.get("status") == 503, result
+        end = [l for l in s.log_text().splitlines() if "POST /v1/completions 503" in l]
+        assert end and "completion=0 " in end[0], s.log_text()[-2000:]
+        assert elapsed < 3, f"took {elapsed:.1f} s to stop"
+
+
+def test_client_disconnect_during_long_prefill():
+    """A client that hangs up while its long prompt is prefilled frees the server within one
+    prefill chunk (logged 499, no token generated)."""
+    with Server() as s:
+        body = json.dumps({"prompt": LONG_PROMPT_IDS, "max_tokens": 1, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_for_log(s, "POST /v1/completions: mode=")
+            time.sleep(0.5)   # prefilling
+        t0 = time.time()
+        wait_for_log(s, "POST /v1/completions 499")
+        elapsed = time.time() - t0
+        end = [l for l in s.log_text().splitlines() if "POST /v1/completions 499" in l]
+        assert "completion=0 " in end[0], end[0]
+        assert elapsed < 3, f"took {elapsed:.1f} s to notice"
+        check_clean_exit(s)
+
+
+def test_non_finite_logits_are_an_engine_error(tmp_path):
+    """A pack whose logits are NaN: completions fail with 500 and an OpenAI error object (a
+    stream with an error event), never with tokens; the server keeps serving."""
+    with Server("--drafter", DRAFTER, model=nan_pack(tmp_path / "nan")) as s:
+        for fields in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}, {"temperature": 0, "logprobs": True}):
+            r = requests.post(s.url + "/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields})
+            err = assert_error(r, 500, "non_finite_logits")
+            assert "non-finite logits" in err["message"] and err["type"] == "server_error"
+        r = requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 3, "stream": True})
+        events = [l[6:] for l in r.text.splitlines() if l.startswith("data: ")]
+        assert events and "non-finite logits" in json.loads(events[-1])["error"]["message"]
+        assert "data: [DONE]" not in r.text and '"text"' not in r.text
+        assert requests.get(s.url + "/health", timeout=10).status_code == 200
+        assert " 500 " in s.log_text()
+        check_clean_exit(s)
 
 
 def test_env_model_override(tmp_path):

@@ -494,6 +494,29 @@ static void test_elementwise(void **state) {
         dfree_(be, d2);
         free(l2);
     }
+    /* non-finite rows give -1 (as the CPU): a NaN anywhere (first, middle, last), an infinite
+     * maximum, every logit -inf; one -inf among finite logits is fine; both kernels */
+    for (int wide = 0; wide < 2; wide++) {
+        const int RR = 7, VV = wide ? V : 3000;
+        float *l3 = malloc((size_t)RR * VV * 4);
+        for (size_t i = 0; i < (size_t)RR * VV; i++) l3[i] = frand();
+        l3[(size_t)0 * VV + 0] = NAN;
+        l3[(size_t)1 * VV + VV / 2 + 3] = NAN;
+        l3[(size_t)2 * VV + VV - 1] = NAN;
+        l3[(size_t)3 * VV + 17] = INFINITY;
+        for (int i = 0; i < VV; i++) l3[(size_t)4 * VV + i] = -INFINITY;
+        l3[(size_t)5 * VV + 5] = -INFINITY;
+        l3[(size_t)6 * VV + 1] = NAN;
+        l3[(size_t)6 * VV + 2] = 100.0f;
+        float *d3 = dput(be, l3, (size_t)RR * VV * 4);
+        int32_t g3[7], c3[7];
+        be->ops->argmax(be, d3, RR, VV, g3);
+        g_cpu->ops->argmax(g_cpu, l3, RR, VV, c3);
+        assert_memory_equal(g3, c3, sizeof g3);
+        for (int r = 0; r < RR; r++) assert_int_equal(g3[r] < 0, r != 5);
+        dfree_(be, d3);
+        free(l3);
+    }
     gpu_ok(be, "elementwise");
     dfree_(be, dl);
     dfree_(be, dx);

@@ -109,6 +109,29 @@ static void test_api_key(void **state) {
     df_server_free(srv);
 }
 
+/* A request the transport gave up reading (request_timeout_s) is answered 408, whatever its
+ * route, and counted in the metrics. */
+static void test_timed_out_request(void **state) {
+    (void)state;
+    df_server *srv = new_server(NULL);
+    const char *paths[] = {"/v1/chat/completions", "/health", "/nope"};
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        df_http_request req = {.method = "POST", .path = paths[i], .timed_out = 1, .client_fd = -1};
+        df_http_response r;
+        df_server_handle(srv, &req, &r);
+        assert_int_equal(r.status, 408);
+        json_t *j = body_json(&r);
+        assert_string_equal(error_code(j), "request_timeout");
+        assert_non_null(strstr(json_string_value(json_object_get(json_object_get(j, "error"), "message")), "60 s"));
+        json_decref(j);
+        df_http_response_free(&r);
+    }
+    df_http_response r = call(srv, "GET", "/metrics", NULL, NULL);
+    assert_non_null(strstr(r.body, "dflash_requests_total{route=\"/v1/chat/completions\",status=\"408\"} 1\n"));
+    df_http_response_free(&r);
+    df_server_free(srv);
+}
+
 static void test_init_validation(void **state) {
     (void)state;
     df_server_options o = df_server_options_default();
@@ -174,6 +197,79 @@ static void test_request_validation(void **state) {
     }
     assert_int_equal(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"model\": \"other\"}", &req, &e), -1);
     assert_int_equal(e.status, 404);
+}
+
+/* Numbers the JSON parser cannot hold (past 64-bit integers or doubles) and integral reals past
+ * a range are refused as out of range, naming the field and its range like any other value. */
+static void test_request_huge_numbers(void **state) {
+    (void)state;
+    static const struct {
+        const char *field, *value, *message;
+    } cases[] = {
+        {"max_tokens", "99999999999999999999",
+         "Invalid 'max_tokens': expected an integer >= 1 and <= 1073741824, but got 99999999999999999999 instead."},
+        {"max_tokens", "1e400",
+         "Invalid 'max_tokens': expected an integer >= 1 and <= 1073741824, but got 1e400 instead."},
+        {"max_tokens", "-1e30",
+         "Invalid 'max_tokens': expected an integer >= 1 and <= 1073741824, but got -1e+30 instead."},
+        {"max_completion_tokens", "-99999999999999999999",
+         "Invalid 'max_completion_tokens': expected an integer >= 1 and <= 1073741824, but got -99999999999999999999 "
+         "instead."},
+        {"seed", "1e19",
+         "Invalid 'seed': expected an integer >= -9223372036854775808 and <= 9223372036854775807, but got 1e+19 "
+         "instead."},
+        {"seed", "-99999999999999999999",
+         "Invalid 'seed': expected an integer >= -9223372036854775808 and <= 9223372036854775807, but got "
+         "-99999999999999999999 instead."},
+        {"n", "1e400", "Invalid 'n': expected an integer >= 1 and <= 128, but got 1e400 instead."},
+        {"top_k", "99999999999999999999",
+         "Invalid 'top_k': expected an integer >= -1 and <= 1073741824, but got 99999999999999999999 instead."},
+        {"top_logprobs", "1e400", "Invalid 'top_logprobs': expected an integer >= 0 and <= 20, but got 1e400 instead."},
+        {"temperature", "1e400", "Invalid 'temperature': expected a value >= 0 and <= 2, but got 1e400 instead."},
+        {"min_p", "-1e999", "Invalid 'min_p': expected a value >= 0 and <= 1, but got -1e999 instead."},
+        {"repetition_penalty", "99999999999999999999",
+         "Invalid 'repetition_penalty': expected a value > 0 and <= 10, but got 99999999999999999999 instead."},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char body[256];
+        snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logprobs\": true, "
+                 "\"%s\": %s}", cases[i].field, cases[i].value);
+        df_api_request req;
+        df_api_error e;
+        assert_int_equal(parse(body, &req, &e), -1);
+        assert_int_equal(e.status, 400);
+        assert_string_equal(e.code, "invalid_value");
+        assert_string_equal(e.param, cases[i].field);
+        assert_string_equal(e.message, cases[i].message);
+        assert_null(req.root);
+    }
+    /* nested fields, a huge number where no field reads one, more than one */
+    static const struct {
+        const char *body, *code, *param;
+    } more[] = {
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"logit_bias\": {\"5\": 1e400}}", "invalid_value",
+         "logit_bias.5"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"x\": {\"y\": [0, 1e400]}}", "invalid_value",
+         "x.y[1]"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream\": 1e400}", "invalid_type", "stream"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"seed\": 1e400, \"max_tokens\": 1e400}",
+         "invalid_value", "seed"},
+        {"{\"messages\": [{\"role\": 99999999999999999999, \"content\": \"x\"}]}", "invalid_type", "messages[0].role"},
+    };
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+        df_api_request req;
+        df_api_error e;
+        assert_int_equal(parse(more[i].body, &req, &e), -1);
+        assert_string_equal(e.code, more[i].code);
+        assert_string_equal(e.param, more[i].param);
+        assert_null(req.root);
+    }
+    /* a body that is only such a number is still refused (no field to name) */
+    df_api_request req;
+    df_api_error e;
+    assert_int_equal(parse("99999999999999999999", &req, &e), -1);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "");
 }
 
 /* Prompt preparation on the tiny pack (Qwen3.5 template). */
@@ -286,8 +382,10 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loading_state),
         cmocka_unit_test(test_api_key),
+        cmocka_unit_test(test_timed_out_request),
         cmocka_unit_test(test_init_validation),
         cmocka_unit_test(test_request_validation),
+        cmocka_unit_test(test_request_huge_numbers),
         cmocka_unit_test_setup_teardown(test_prompt_untrusted_text, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_prompt_tool_choice, prompt_setup, prompt_teardown),
     };

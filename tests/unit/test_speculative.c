@@ -461,6 +461,64 @@ static void test_fallback_exact(void **state) {
     }
 }
 
+/* should_stop: counts the polls and asks to stop at poll number `at`. */
+typedef struct stop_probe {
+    int polls, at;
+} stop_probe;
+
+static int stop_at(void *user) {
+    stop_probe *p = user;
+    return ++p->polls >= p->at;
+}
+
+static int never_cancel_text(void *user, int32_t id, const char *text, size_t len) {
+    (void)user, (void)id, (void)text, (void)len;
+    return 0;
+}
+
+/* df_generate (spec 0) or df_generate_speculative (spec 1) of prompt[n], which must succeed. */
+static void gen_either(int spec, const int32_t *prompt, int n, const df_gen_params *gp, void *user, df_gen_result *res) {
+    df_error err = {0};
+    df_status st = spec ? df_generate_speculative(g_sess, g_ds, prompt, n, gp, NULL, never_cancel_text, user, res, &err)
+                        : df_generate(g_sess, prompt, n, gp, never_cancel_text, user, res, &err);
+    if (st != DF_OK) fail_msg("%s: %s", spec ? "speculative" : "plain", err.msg);
+}
+
+/* A stop asked for during prefill takes effect before the next chunk of 16 prompt tokens, in
+ * plain and speculative generation: no token is generated and the rest of the prompt is not
+ * run; a should_stop that never fires is polled once per chunk and changes nothing. */
+static void test_stop_during_prefill(void **state) {
+    (void)state;
+    int32_t prompt[90];
+    for (int k = 0; k < 90; k++) prompt[k] = g_prompts[k % N_PROMPTS][k % 8];
+    df_gen_params gp = df_gen_params_default();
+    gp.max_tokens = 4;
+    df_gen_result want;
+    plain(prompt, 90, &gp, &want);
+    gp.should_stop = stop_at;
+    for (int spec = 0; spec < 2; spec++) {
+        for (int at = 1; at <= 3; at++) {
+            stop_probe probe = {0, at};
+            df_gen_result res;
+            gen_either(spec, prompt, 90, &gp, &probe, &res);
+            assert_int_equal(res.finish, DF_FINISH_CANCELLED);
+            assert_int_equal(res.n_ids, 0);
+            assert_string_equal(res.text, "");
+            assert_int_equal(probe.polls, at);
+            assert_int_equal(df_session_pos(g_sess), 16 * (at - 1)); /* the chunks before the stop ran */
+            df_gen_result_free(&res);
+        }
+        stop_probe never = {0, 1 << 30};
+        df_gen_result res;
+        gen_either(spec, prompt, 90, &gp, &never, &res);
+        assert_int_equal(never.polls, 6); /* ceil(90 / 16) chunks */
+        assert_int_equal(res.n_ids, want.n_ids);
+        assert_memory_equal(res.ids, want.ids, (size_t)want.n_ids * sizeof(int32_t));
+        df_gen_result_free(&res);
+    }
+    df_gen_result_free(&want);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
@@ -471,6 +529,7 @@ int main(void) {
         cmocka_unit_test(test_quantized_drafter),
         cmocka_unit_test(test_fallback_policy),
         cmocka_unit_test(test_fallback_exact),
+        cmocka_unit_test(test_stop_during_prefill),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

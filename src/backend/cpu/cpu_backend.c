@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "core/threads.h"
+#include "dflash/generate.h"
 #include "dflash/safetensors.h"
 
 typedef struct cpu_backend {
@@ -589,13 +590,7 @@ static void cpu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, co
 
 static void cpu_argmax(df_backend *be, const float *x, int rows, int width, int32_t *out) {
     (void)be;
-    for (int r = 0; r < rows; r++) {
-        const float *row = x + (size_t)r * (size_t)width;
-        int32_t best = 0;
-        for (int i = 1; i < width; i++)
-            if (row[i] > row[best]) best = i;
-        out[r] = best;
-    }
+    for (int r = 0; r < rows; r++) out[r] = df_argmax(x + (size_t)r * (size_t)width, width);
 }
 
 /* ---- construction --------------------------------------------------------------------------- */

@@ -989,13 +989,15 @@ extern "C" int dfk_swiglu(const float *gate, const float *up, size_t n, float *o
 /* ---- argmax ------------------------------------------------------------------------------------ */
 
 /* Tree merge of (value, index) pairs in shared memory, n a power of two: the larger value
- * wins, ties go to the lower index, index -1 = empty. */
+ * wins, ties go to the lower index, index -1 = empty; a NaN wins over any number (so that a
+ * NaN anywhere in the row reaches the result, see am_result). */
 static __device__ void am_merge(float *bv, int *bi, int tid, int n) {
     for (int s = n / 2; s > 0; s >>= 1) {
         if (tid < s) {
             const float ov = bv[tid + s];
             const int oi = bi[tid + s];
-            const int take = oi >= 0 && (bi[tid] < 0 || ov > bv[tid] || (ov == bv[tid] && oi < bi[tid]));
+            const int take = oi >= 0 && (bi[tid] < 0 || ov > bv[tid] || (ov == bv[tid] && oi < bi[tid]) ||
+                                         (isnan(ov) && !isnan(bv[tid])));
             if (take) {
                 bv[tid] = ov;
                 bi[tid] = oi;
@@ -1006,14 +1008,15 @@ static __device__ void am_merge(float *bv, int *bi, int tid, int n) {
 }
 
 /* A thread's scan of xr[i] for i = lo, lo + step, ... < hi: strictly greater replaces (so ties
- * keep the lowest index), then the block's tree merge; the result is in bv[0], bi[0] (index -1:
- * nothing scanned). Every thread of the block (n threads, a power of two) calls it. */
+ * keep the lowest index) and a NaN sticks (nothing is greater than it), then the block's tree
+ * merge; the result is in bv[0], bi[0] (index -1: nothing scanned). Every thread of the block
+ * (n threads, a power of two) calls it. */
 static __device__ void am_block(const float *xr, int lo, int hi, int step, float *bv, int *bi, int tid, int n) {
     float best = 0.0f;
     int besti = -1;
     for (int i = lo; i < hi; i += step) {
         const float v = xr[i];
-        if (besti < 0 || v > best) {
+        if (besti < 0 || v > best || isnan(v)) {
             best = v;
             besti = i;
         }
@@ -1024,13 +1027,17 @@ static __device__ void am_block(const float *xr, int lo, int hi, int step, float
     am_merge(bv, bi, tid, n);
 }
 
+/* The id of a merged row: -1 when its maximum is not finite (a NaN in the row, or an infinite
+ * maximum), as df_argmax. */
+static __device__ int32_t am_result(float v, int i) { return i < 0 ? 0 : isfinite(v) ? i : -1; }
+
 __global__ void k_argmax(const float *x, int width, int32_t *out) {
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
     const int tid = threadIdx.x;
     am_block(xr, tid, width, (int)blockDim.x, bv, bi, tid, (int)blockDim.x);
-    if (tid == 0) out[blockIdx.x] = bi[0] < 0 ? 0 : bi[0];
+    if (tid == 0) out[blockIdx.x] = am_result(bv[0], bi[0]);
 }
 
 /* Two-stage argmax for up to DFK_MAX_ROWS rows: AM_PARTS blocks per row each take a contiguous
@@ -1063,7 +1070,7 @@ __global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out) {
     bi[tid] = g_am_i[row * AM_PARTS + tid];
     __syncthreads();
     am_merge(bv, bi, tid, AM_PARTS);
-    if (tid == 0) out[row] = bi[0] < 0 ? 0 : bi[0];
+    if (tid == 0) out[row] = am_result(bv[0], bi[0]);
 }
 
 extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
