@@ -1,6 +1,6 @@
-/* The plain generation loop (include/dflash/generate.h): prefill (polling
- * params->should_stop between chunks), then one decode step per token, with incremental UTF-8-safe detokenisation and stop strings that are matched
- * across token boundaries and never emitted. */
+/* The plain generation loop (include/dflash/generate.h): prefill (polling params->should_stop
+ * between chunks), then one decode step per token, with incremental UTF-8-safe detokenisation
+ * and stop strings that are matched across token boundaries and never emitted. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
