@@ -81,6 +81,7 @@ typedef struct cuda_backend {
     int qpath; /* 1: quantized 2/4/8-bit weights run on the fixed-point path (default) */
     int target_ctas;
     int dense_first;        /* dense linears of a group launched before its fixed-point ones (DFLASH_CUDA_DENSE_FIRST) */
+    int dense_ride;         /* dense linears of a group ride along with its fixed-point launch (DFLASH_CUDA_DENSE_RIDE) */
     char profile_skip[256]; /* DFLASH_CUDA_PROFILE_SKIP: commands not run (timing experiments only) */
     int q_ring, q_ctas, q_ring_max_m, q_bulk, q_split_bytes, q_split_rows; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS,
                                                  _QRING_MAXM, _QBULK, _QSPLIT_BYTES, _QSPLIT_ROWS) */
@@ -973,9 +974,10 @@ static int run_qprep(cuda_backend *cb, const void *args) {
 }
 
 typedef struct a_qlin {
-    int bits, gs, sb_bf16, M, n;
+    int bits, gs, sb_bf16, M, n, nd;
     dfk_qsched sched;
     dfk_qlin l[DFK_QMAX];
+    dfk_dlin dl[DFK_QMAX]; /* dense linears riding along (nd) */
 } a_qlin;
 
 _Static_assert(sizeof(a_qlin) <= CMD_ARGS, "a_qlin must fit in a command");
@@ -983,7 +985,7 @@ _Static_assert(sizeof(a_qlin) <= CMD_ARGS, "a_qlin must fit in a command");
 static int run_qlin(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_qlin *a = args;
-    return dfk_linear_q(a->bits, a->gs, a->sb_bf16, a->M, a->sched, a->n, a->l);
+    return dfk_linear_q(a->bits, a->gs, a->sb_bf16, a->M, a->sched, a->n, a->l, a->nd, a->dl);
 }
 
 typedef struct a_dlin {
@@ -1113,7 +1115,11 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         l->x = v;
         l->y = ys[i];
     }
-    if (d.n && cb->dense_first) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
+    /* the dense linears ride along with the first fixed-point launch (DFLASH_CUDA_DENSE_RIDE) */
+    int ride = 0;
+    if (d.n && cb->dense_ride)
+        for (int i = 0; i < n; i++) ride |= es[i]->mode == LIN_Q;
+    if (d.n && !ride && cb->dense_first) record(cb, run_dlin, "linear (dense)", &d, sizeof d);
     /* the fixed-point linears, one launch per format, in order */
     int k = 0;
     for (int i = 0; i < n;) {
@@ -1153,6 +1159,12 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
             const int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
             if (tr < q.sched.TR) q.sched.TR = tr;
             i = j + 1;
+        }
+        if (ride) {
+            q.nd = d.n;
+            memcpy(q.dl, d.l, sizeof d.l);
+            ride = 0;
+            d.n = 0;
         }
         record(cb, run_qlin, "linear", &q, sizeof q);
     }
@@ -1652,6 +1664,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
      * wrong: for timing experiments only. */
     const char *dfirst = getenv("DFLASH_CUDA_DENSE_FIRST"); /* 0: after them (the same bits) */
     cb->dense_first = !(dfirst && strcmp(dfirst, "0") == 0);
+    const char *dride = getenv("DFLASH_CUDA_DENSE_RIDE"); /* 0: their own launch (the same bits) */
+    cb->dense_ride = !(dride && strcmp(dride, "0") == 0);
     const char *pskip = getenv("DFLASH_CUDA_PROFILE_SKIP");
     snprintf(cb->profile_skip, sizeof cb->profile_skip, "%s", pskip ? pskip : "");
     const char *qrm = getenv("DFLASH_CUDA_QRING_MAXM");

@@ -153,19 +153,24 @@ typedef struct dfk_qsched {
                         either way (a row's result never depends on the other rows). */
 } dfk_qsched;
 
-/* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one
- * launch. */
-int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins);
-int dfk_linear_q_max_tr(int M);
-
-/* Dense 16-bit linears on CUDA cores: y[M, rows] (+)= W x for W f16 (wdtype 0) or bf16 (1)
- * [rows, cols], cols % 8 == 0, x float32 [M, cols]; one block per output row, fixed order. */
+/* A dense 16-bit linear (dfk_linear_dense). */
 typedef struct dfk_dlin {
     const void *w;
     int wdtype, rows, cols, add;
     const float *x;
     float *y;
 } dfk_dlin;
+
+/* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one
+ * launch, with nd (0..DFK_QMAX) dense linears of M rows riding along (dfk_linear_dense's bits:
+ * the bulk-copy ring computes their rows after its units, saving their launch; other kernels
+ * launch them first). */
+int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins, int nd,
+                 const dfk_dlin *dense);
+int dfk_linear_q_max_tr(int M);
+
+/* Dense 16-bit linears on CUDA cores: y[M, rows] (+)= W x for W f16 (wdtype 0) or bf16 (1)
+ * [rows, cols], cols % 8 == 0, x float32 [M, cols]; one block per output row, fixed order. */
 int dfk_linear_dense(int M, int n, const dfk_dlin *lins);
 
 /* Multiprocessor count (sizes the persistent grid of dfk_linear_q). */

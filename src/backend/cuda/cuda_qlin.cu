@@ -439,6 +439,14 @@ struct qcfg {
     static constexpr uint32_t MASK = BITS == 8 ? 0xffffffffu : ((1u << BITS) - 1u) * 0x01010101u;
 };
 
+/* Dense 16-bit linears of one input: block (or rider row) r computes output row r - start[i]
+ * of linear i. */
+struct dlaunch {
+    dfk_dlin d[DFK_QMAX];
+    int start[DFK_QMAX + 1];
+    int n, M;
+};
+
 struct qlaunch {
     dfk_qlin d[DFK_QMAX];
     int start[DFK_QMAX + 1];
@@ -449,7 +457,80 @@ struct qlaunch {
     int kwl[DFK_QMAX]; /* log2 of each linear's KW */
     int ring_off; /* k_lin_qr, k_lin_qb: byte offset of the rings in dynamic shared memory */
     int bulk;     /* 1: k_lin_qb where the input copy fits (dfk_qsched.bulk) */
+    dlaunch dn;   /* dense linears riding along (k_lin_qb: their rows after the CTA's units; the
+                     other kernels launch them first, as k_lin_dense); dn.n = 0: none */
 };
+
+/* The first weights of output row `row` of dense linear L that thread tid takes (the 8-column
+ * chunks tid and tid + 256). */
+static __device__ __forceinline__ void dense_preload(const dfk_dlin &L, int row, uint4 (&wq)[2]) {
+    const uint16_t *wr = (const uint16_t *)L.w + (size_t)row * (size_t)L.cols;
+    const int nch = L.cols / 8;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int c = (int)threadIdx.x + u * 256;
+        wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+/* Output row `row` of dense linear L for the M data rows, by a block of 256 threads (every
+ * thread calls it; wq: dense_preload's words). Thread tid takes the 8-column chunks c = tid,
+ * tid + 256, ... in order, each column in order; then per data row an xor butterfly per warp and
+ * the 8 warp sums in order. red: [DFK_MAX_ROWS][8] floats of shared memory, free on entry. */
+static __device__ __forceinline__ void dense_row(const dfk_dlin &L, int row, int M, uint4 (&wq)[2], float (*red)[8]) {
+    const int tid = threadIdx.x, cols = L.cols;
+    const uint16_t *wr = (const uint16_t *)L.w + (size_t)row * (size_t)cols;
+    const int nch = cols / 8;
+    float acc[DFK_MAX_ROWS];
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
+    for (int c0 = 0; c0 < nch; c0 += 512) {
+        uint4 cur[2] = {wq[0], wq[1]};
+        if (c0 + 512 < nch) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = c0 + 512 + tid + u * 256;
+                wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int c = c0 + tid + u * 256;
+            if (c >= nch) continue;
+            const uint32_t ws[4] = {cur[u].x, cur[u].y, cur[u].z, cur[u].w};
+            float w[8];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                w[2 * k] = q_h16(ws[k], L.wdtype == 1);
+                w[2 * k + 1] = q_h16(ws[k] >> 16, L.wdtype == 1);
+            }
+#pragma unroll
+            for (int m = 0; m < DFK_MAX_ROWS; m++) {
+                if (m >= M) break;
+                const float4 *xp = reinterpret_cast<const float4 *>(L.x + (size_t)m * (size_t)cols) + 2 * c;
+                const float4 xa = __ldcg(xp), xb = __ldcg(xp + 1);
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[m] = acc[m] + w[k] * xv[k];
+            }
+        }
+    }
+    const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int m = 0; m < DFK_MAX_ROWS; m++) {
+        if (m >= M) break;
+        float v = acc[m];
+        for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(QFULL, v, off);
+        if (lane == 0) red[m][warp] = v;
+    }
+    __syncthreads();
+    if (tid < M) {
+        float s = red[tid][0];
+        for (int k = 1; k < 8; k++) s = s + red[tid][k];
+        float *yp = L.y + (size_t)tid * (size_t)L.rows + (size_t)row;
+        *yp = L.add ? __ldcg(yp) + s : s;
+    }
+}
 
 template <int VEC>
 static __device__ __forceinline__ void q_load_words(const uint32_t *p, uint32_t *w) {
@@ -1395,10 +1476,36 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
         }
         q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
     }
+    /* the dense linears riding along: their rows over the CTAs, after the units (the bits of
+     * k_lin_dense) */
+    if (P.dn.n > 0) {
+        float(*dred)[8] = reinterpret_cast<float(*)[8]>(&red[0][0][0]); /* DFK_MAX_ROWS x 8 floats */
+        static_assert(sizeof(red) >= sizeof(float) * DFK_MAX_ROWS * 8, "red holds dense_row's sums");
+        const int total = P.dn.start[P.dn.n];
+        for (int r = cta; r < total; r += G) {
+            int dj = 0;
+            while (dj + 1 < P.dn.n && r >= P.dn.start[dj + 1]) dj++;
+            uint4 wq[2];
+            dense_preload(P.dn.d[dj], r - P.dn.start[dj], wq);
+            __syncthreads(); /* red is free */
+            dense_row(P.dn.d[dj], r - P.dn.start[dj], M, wq, dred);
+        }
+    }
 }
 
 template <int BITS, int GS, int NT, int TR>
 static int launch_q(const qlaunch &P, unsigned blocks);
+static int dense_launch(const dlaunch &P);
+static int dense_plan(int M, int n, const dfk_dlin *lins, dlaunch *P);
+
+/* The dense linears riding along with P, launched on their own before a kernel that does not
+ * take them (all but k_lin_qb); P.dn.n = 0 afterwards. */
+static int dense_first(qlaunch &P) {
+    if (P.dn.n == 0) return 0;
+    const int st = dense_launch(P.dn);
+    P.dn.n = 0;
+    return st;
+}
 
 static int g_qsmem = 1;
 static size_t g_qsmem_max = (size_t)-1;
@@ -1505,6 +1612,7 @@ static int launch_qr(qlaunch P, unsigned units) {
             if (launch_qb<BITS, GS, NT>(P, units, &st)) return st;
         }
     }
+    if (const int dst = dense_first(P)) return dst;
     constexpr int MINB = NT == 1 ? 3 : (NT == 2 ? 2 : 1);
     typedef qring<qcfg<BITS, GS, NT, 1>::WPL> R;
     size_t in = 0;
@@ -1524,8 +1632,9 @@ static int launch_qr(qlaunch P, unsigned units) {
 }
 
 template <int BITS, int GS, int NT>
-static int launch_q_tr(const qlaunch &P, unsigned blocks, int TR) {
+static int launch_q_tr(qlaunch P, unsigned blocks, int TR) {
     if (P.ring) return launch_qr<BITS, GS, NT>(P, blocks);
+    if (const int dst = dense_first(P)) return dst;
     if constexpr (NT == 1) {
         if (TR >= 4) return launch_q<BITS, GS, NT, 4>(P, blocks);
     }
@@ -1547,7 +1656,8 @@ static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
 
 extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
 
-static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins);
+static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+                           const dlaunch &dn);
 
 /* Rows per launch: M, or fewer where the schedule asks (dfk_qsched.split_rows, split_bytes). */
 static int q_split_chunk(int M, int gs, const dfk_qsched &sched, int n, const dfk_qlin *lins) {
@@ -1561,10 +1671,21 @@ static int q_split_chunk(int M, int gs, const dfk_qsched &sched, int n, const df
     return chunk;
 }
 
-extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
-    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || gs <= 0) return (int)cudaErrorInvalidValue;
+extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+                            int nd, const dfk_dlin *dense) {
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || gs <= 0 || nd < 0) return (int)cudaErrorInvalidValue;
+    dlaunch dn = {};
+    if (nd > 0) {
+        const int st = dense_plan(M, nd, dense, &dn);
+        if (st) return st;
+    }
     const int chunk = q_split_chunk(M, gs, sched, n, lins);
-    if (chunk >= M) return q_linear_launch(bits, gs, sb_bf16, M, sched, n, lins);
+    if (chunk >= M) return q_linear_launch(bits, gs, sb_bf16, M, sched, n, lins, dn);
+    if (dn.n > 0) { /* the dense rows are of all M rows: launched on their own first */
+        const int st = dense_launch(dn);
+        if (st) return st;
+        dn.n = 0;
+    }
     /* rows in launches of (nearly) equal size: each row's bits are those of a one-row launch
      * either way */
     const int parts = (M + chunk - 1) / chunk;
@@ -1579,14 +1700,15 @@ extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sch
             part[i].xsx = lins[i].xsx + (size_t)m0 * (size_t)(lins[i].cols / gs);
             part[i].y = lins[i].y + (size_t)m0 * (size_t)lins[i].rows;
         }
-        const int st = q_linear_launch(bits, gs, sb_bf16, mp, sched, n, part);
+        const int st = q_linear_launch(bits, gs, sb_bf16, mp, sched, n, part, dn);
         if (st) return st;
         m0 += mp;
     }
     return 0;
 }
 
-static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins) {
+static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+                           const dlaunch &dn) {
     int TR = sched.TR;
     /* the ring kernel up to ring_max_m rows, the register kernel above (same K-slices: same bits) */
     const int ring = sched.ring && (sched.ring_max_m <= 0 || M <= sched.ring_max_m) ? 1 : 0;
@@ -1602,6 +1724,7 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
     P.ring = ring;
     P.ctas = sched.ctas;
     P.bulk = sched.bulk;
+    P.dn = dn;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
@@ -1627,94 +1750,46 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
 
 /* ---- dense 16-bit linears on CUDA cores ------------------------------------------------------- */
 
-struct dlaunch {
-    dfk_dlin d[DFK_QMAX];
-    int start[DFK_QMAX + 1];
-    int n, M;
-};
-
 /* One block (256 threads) per output row of one linear of the launch. Thread tid takes the
  * 8-column chunks c = tid, tid + 256, ... in order, each column in order; then per data row
  * an xor butterfly per warp and the 8 warp sums in order. */
+/* One block (256 threads) per output row of one linear of the launch (dense_row). */
 __global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaunch P) {
     __shared__ float red[DFK_MAX_ROWS][8];
     pdl_trigger();
     int di = 0;
     while (di + 1 < P.n && (int)blockIdx.x >= P.start[di + 1]) di++;
-    const dfk_dlin &L = P.d[di];
-    const int row = (int)blockIdx.x - P.start[di], tid = threadIdx.x, M = P.M, cols = L.cols;
-    const uint16_t *wr = (const uint16_t *)L.w + (size_t)row * (size_t)cols;
-    const int nch = cols / 8;
-    float acc[DFK_MAX_ROWS];
-#pragma unroll
-    for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
+    const int row = (int)blockIdx.x - P.start[di];
     uint4 wq[2];
-#pragma unroll
-    for (int u = 0; u < 2; u++) {
-        const int c = tid + u * 256;
-        wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    dense_preload(P.d[di], row, wq);
     pdl_wait();
-    for (int c0 = 0; c0 < nch; c0 += 512) {
-        uint4 cur[2] = {wq[0], wq[1]};
-        if (c0 + 512 < nch) {
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int c = c0 + 512 + tid + u * 256;
-                wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int c = c0 + tid + u * 256;
-            if (c >= nch) continue;
-            const uint32_t ws[4] = {cur[u].x, cur[u].y, cur[u].z, cur[u].w};
-            float w[8];
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                w[2 * k] = q_h16(ws[k], L.wdtype == 1);
-                w[2 * k + 1] = q_h16(ws[k] >> 16, L.wdtype == 1);
-            }
-#pragma unroll
-            for (int m = 0; m < DFK_MAX_ROWS; m++) {
-                if (m >= M) break;
-                const float4 *xp = reinterpret_cast<const float4 *>(L.x + (size_t)m * (size_t)cols) + 2 * c;
-                const float4 xa = __ldcg(xp), xb = __ldcg(xp + 1);
-                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc[m] = acc[m] + w[k] * xv[k];
-            }
-        }
-    }
-    const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-    for (int m = 0; m < DFK_MAX_ROWS; m++) {
-        if (m >= M) break;
-        float v = acc[m];
-        for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(QFULL, v, off);
-        if (lane == 0) red[m][warp] = v;
-    }
-    __syncthreads();
-    if (tid < M) {
-        float s = red[tid][0];
-        for (int k = 1; k < 8; k++) s = s + red[tid][k];
-        float *yp = L.y + (size_t)tid * (size_t)L.rows + (size_t)row;
-        *yp = L.add ? __ldcg(yp) + s : s;
-    }
+    dense_row(P.d[di], row, P.M, wq, red);
 }
 
-extern "C" int dfk_linear_dense(int M, int n, const dfk_dlin *lins) {
+/* The launch of n dense linears of M rows (0, or cudaErrorInvalidValue for a shape the kernel
+ * does not take). */
+static int dense_plan(int M, int n, const dfk_dlin *lins, dlaunch *P) {
     if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX) return (int)cudaErrorInvalidValue;
-    dlaunch P = {};
-    P.n = n;
-    P.M = M;
+    *P = dlaunch{};
+    P->n = n;
+    P->M = M;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         if (lins[i].cols % 8 != 0 || (lins[i].wdtype != 0 && lins[i].wdtype != 1)) return (int)cudaErrorInvalidValue;
-        P.d[i] = lins[i];
-        P.start[i] = blocks;
+        P->d[i] = lins[i];
+        P->start[i] = blocks;
         blocks += lins[i].rows;
     }
-    P.start[n] = blocks;
-    return launch_pdl(k_lin_dense, dim3((unsigned)blocks), dim3(256), 0, P);
+    P->start[n] = blocks;
+    return 0;
+}
+
+static int dense_launch(const dlaunch &P) {
+    return launch_pdl(k_lin_dense, dim3((unsigned)P.start[P.n]), dim3(256), 0, P);
+}
+
+extern "C" int dfk_linear_dense(int M, int n, const dfk_dlin *lins) {
+    dlaunch P;
+    const int st = dense_plan(M, n, lins, &P);
+    return st ? st : dense_launch(P);
 }
