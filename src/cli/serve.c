@@ -102,7 +102,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
-        {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower one gets 408, or is closed while its headers are still arriving", 1, 86400, 0},
+        {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower or stalled one gets 408, or is closed while its headers are still arriving (an idle kept-alive connection too)", 1, 86400, 0},
         {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, model_dir
+from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, model_dir, wait_for_log
 
 MSG = [{"role": "user", "content": "hi"}]
 SLOW = 6 if SANITIZED else 1
@@ -448,6 +448,43 @@ def test_slow_senders_get_a_deadline():
                 assert sess.get(s.url + "/health", timeout=10).status_code == 200
                 time.sleep(1.2)
         assert "within 2 s" in s.log_text()
+        check_clean_exit(s)
+    finally:
+        s.close()
+
+
+def test_stalled_body_and_idle_keepalive_end_at_the_request_timeout():
+    """A body that stops arriving (no bytes at all, so the idle --timeout would be the first to
+    fire) gets 408 at --request-timeout, and a kept-alive connection idle that long after its
+    answer is closed then; the log says which."""
+    s = Server("--request-timeout", "3", "--timeout", "30")
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            t0 = time.time()
+            c.sendall(head + b'{"pro')
+            out = b""
+            while True:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+            took = time.time() - t0
+        assert out.startswith(b"HTTP/1.1 408 "), out
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert 2.5 < took < 3 + 3 * SLOW, took
+        log = wait_for_log(s, "answered 408 and closed 1 connection whose request body was incomplete after 3 s")
+        assert " POST /v1/completions 408 " in log and "http: Connection socket is closed" not in log, log
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            out = c.recv(65536)
+            assert b" 200 " in out.split(b"\r\n", 1)[0], out
+            t0 = time.time()
+            while c.recv(65536):
+                pass
+            took = time.time() - t0
+        assert 2.5 < took < 3 + 3 * SLOW, took
+        wait_for_log(s, "closed 1 kept-alive connection with no complete new request")
         check_clean_exit(s)
     finally:
         s.close()

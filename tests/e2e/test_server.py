@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize, wait_for_log
 
 PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "What is 2+2?", "class Stack:",
            "for i in range(10):", "Tell me a story."]
@@ -413,13 +413,6 @@ def test_shutdown_during_generation():
 
 
 LONG_PROMPT_IDS = [276 + i % 50 for i in range(3900)]   # seconds of prefill on the CPU
-
-
-def wait_for_log(s, text, timeout=60):
-    deadline = time.time() + timeout
-    while text not in s.log_text():
-        assert time.time() < deadline, f"{text!r} not logged:\n{s.log_text()[-2000:]}"
-        time.sleep(0.05)
 
 
 def test_shutdown_during_long_prefill():
