@@ -280,6 +280,11 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
 static void close_stream(void *cls) { df_server_stream_close(cls); }
 
 static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
+    if (r->no_answer) { /* the client went away: the connection closes with nothing sent */
+        df_http_response_free(r);
+        g_closing_on_purpose = 1;
+        return MHD_NO;
+    }
     struct MHD_Response *resp;
     if (r->stream) {
         resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read_stream, r->stream, close_stream);

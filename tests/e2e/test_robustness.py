@@ -510,6 +510,28 @@ def test_half_closed_and_garbage(srv):
     assert srv.alive()
 
 
+def test_half_closed_client_gets_no_made_up_error(srv):
+    """A client that half-closes after a complete request cannot be told from one that left:
+    its request ends as 499 (logged) and the connection closes with no answer, never a made-up
+    500."""
+    body = json.dumps({"messages": MSG, "max_tokens": 2, "temperature": 0}).encode()
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+           % len(body) + body)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    assert b"out of memory" not in out and not out.startswith(b"HTTP/1.1 500"), out
+    log = wait_for_log(srv, " 499 ", timeout=30)
+    assert "out of memory" not in log and "Application reported internal error" not in log, log[-2000:]
+    assert srv.alive()
+
+
 def test_pipelined_and_http10(srv):
     req = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 3) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     out = raw(srv.port, req)
