@@ -453,6 +453,16 @@ def test_slow_senders_get_a_deadline():
         s.close()
 
 
+def read_to_close(sock):
+    """All that sock receives until the server closes the connection."""
+    out = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
 def test_stalled_body_and_idle_keepalive_end_at_the_request_timeout():
     """A body that stops arriving (no bytes at all, so the idle --timeout would be the first to
     fire) gets 408 at --request-timeout, and a kept-alive connection idle that long after its
@@ -463,12 +473,7 @@ def test_stalled_body_and_idle_keepalive_end_at_the_request_timeout():
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
             t0 = time.time()
             c.sendall(head + b'{"pro')
-            out = b""
-            while True:
-                chunk = c.recv(65536)
-                if not chunk:
-                    break
-                out += chunk
+            out = read_to_close(c)
             took = time.time() - t0
         assert out.startswith(b"HTTP/1.1 408 "), out
         assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
@@ -520,12 +525,7 @@ def test_half_closed_client_gets_no_made_up_error(srv):
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
         s.sendall(req)
         s.shutdown(socket.SHUT_WR)
-        out = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            out += chunk
+        out = read_to_close(s)
     assert b"out of memory" not in out and not out.startswith(b"HTTP/1.1 500"), out
     log = wait_for_log(srv, " 499 ", timeout=30)
     assert "out of memory" not in log and "Application reported internal error" not in log, log[-2000:]
