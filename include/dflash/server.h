@@ -133,7 +133,8 @@ int df_server_port(const df_server *srv);
 /* Stops gracefully: no new connections are accepted; the generation in progress is
  * cancelled within one decoding round (or one prefill chunk of 16 prompt tokens while its
  * prompt is processed), waiting requests are answered 503, and every request
- * already begun gets its answer within a grace period of 10 s; then open connections are
+ * already received gets its answer within a grace period of 10 s (one whose body is still
+ * arriving is closed at once: it can no longer be answered); then open connections are
  * closed and their threads joined. Safe to call twice or when not listening. */
 void df_server_stop(df_server *srv);
 

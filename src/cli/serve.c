@@ -2,10 +2,12 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "dflash/speculative.h"
@@ -23,6 +25,26 @@ static void log_line(void *user, const char *line) {
     gmtime_r(&now, &tm);
     strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
     fprintf(stderr, "%s %s\n", ts, line);
+}
+
+/* While the server stops: a second SIGINT or SIGTERM ends the process at once. */
+typedef struct second_signal {
+    const sigset_t *sigs;
+    atomic_int done; /* the stop is over: the thread returns */
+} second_signal;
+
+static void *second_signal_main(void *arg) {
+    second_signal *s = arg;
+    while (!atomic_load(&s->done)) {
+        struct timespec tick = {0, 50 * 1000 * 1000};
+        int sig = sigtimedwait(s->sigs, NULL, &tick);
+        if (sig == SIGINT || sig == SIGTERM) {
+            log_line(NULL, sig == SIGINT ? "SIGINT again: exiting without waiting for requests in progress"
+                                         : "SIGTERM again: exiting without waiting for requests in progress");
+            _exit(CLI_EXIT_FAIL);
+        }
+    }
+    return NULL;
 }
 
 /* Serves until SIGINT or SIGTERM (or until loading the model fails). The signals are
@@ -69,8 +91,16 @@ static int serve(df_server_options *so) {
             log_line(NULL, line);
         }
     }
-done:
+done:;
+    second_signal second = {.sigs = &sigs};
+    atomic_init(&second.done, 0);
+    pthread_t second_thread;
+    const int watching = rc == CLI_EXIT_OK && pthread_create(&second_thread, NULL, second_signal_main, &second) == 0;
     df_server_free(srv);
+    if (watching) {
+        atomic_store(&second.done, 1);
+        pthread_join(second_thread, NULL);
+    }
     if (rc == CLI_EXIT_OK) log_line(NULL, "stopped");
     return rc;
 }

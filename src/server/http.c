@@ -549,6 +549,24 @@ static void watch_free(df_server *srv) {
     srv->watch = NULL;
 }
 
+/* At shutdown: shuts down the connections whose request body is still incomplete (such a
+ * request can no longer be answered); returns how many. */
+static int watch_shut_incomplete(df_server *srv) {
+    conn_watch *w = srv->watch;
+    if (!w) return 0;
+    int n = 0;
+    pthread_mutex_lock(&w->lock);
+    for (sock_ctx *c = w->head; c; c = c->next) {
+        if (c->shut || !c->in_request || c->answering) continue;
+        shutdown(c->fd, SHUT_RDWR);
+        c->shut = 1;
+        w->quiet_reads++;
+        n++;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return n;
+}
+
 /* Stops the watch thread (after the daemon: no connection is left on its list). */
 static void watch_stop(df_server *srv) {
     conn_watch *w = srv->watch;
@@ -608,7 +626,8 @@ df_status df_server_listen(df_server *srv, df_error *err) {
 }
 
 /* Graceful stop: no new connections; a generation in progress is cancelled and, like every
- * request already begun, gets its answer (up to a grace period); then connections close. */
+ * request already received, gets its answer (up to a grace period); a request whose body is
+ * still arriving is closed at once; then connections close. */
 void df_server_stop(df_server *srv) {
     if (!srv || !srv->daemon) return;
     atomic_store(&srv->stopping, 1);   /* cancels a generation in progress; new requests get 503 */
@@ -620,10 +639,16 @@ void df_server_stop(df_server *srv) {
         pthread_join(srv->worker, NULL);
         srv->worker_started = 0;
     }
+    int cut = 0; /* requests whose body was still arriving: never to be answered, closed at once */
     for (int waited_ms = 0; atomic_load(&srv->in_flight) > 0 && waited_ms < STOP_GRACE_MS; waited_ms += 10) {
+        cut += watch_shut_incomplete(srv);
+        if (atomic_load(&srv->in_flight) == 0) break;
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
+    if (cut)
+        df_server_log(srv, "http: closed %d connection%s whose request body was incomplete at shutdown", cut,
+                      cut > 1 ? "s" : "");
     MHD_stop_daemon(srv->daemon);      /* closes connections, joins their threads */
     watch_stop(srv);
     if (listener != MHD_INVALID_SOCKET) close(listener);

@@ -515,6 +515,28 @@ def test_half_closed_and_garbage(srv):
     assert srv.alive()
 
 
+def test_shutdown_closes_a_partial_body_at_once():
+    """At shutdown a request whose body is still arriving can never be answered: it is closed
+    at once rather than holding the exit for the 10 s grace."""
+    s = Server()
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(head + b'{"pro')
+            wait_for_log(s, "serving model")
+            time.sleep(0.3)
+            t0 = time.time()
+            assert s.stop() == 0
+            took = time.time() - t0
+            assert read_to_close(c) == b""
+        log = s.log_text()
+        assert took < 2 + 2 * SLOW, (took, log[-2000:])
+        assert "closed 1 connection whose request body was incomplete at shutdown" in log, log[-2000:]
+        assert "http: Connection socket is closed" not in log and "stopped" in log, log[-2000:]
+    finally:
+        s.close()
+
+
 def test_half_closed_client_gets_no_made_up_error(srv):
     """A client that half-closes after a complete request cannot be told from one that left:
     its request ends as 499 (logged) and the connection closes with no answer, never a made-up
