@@ -103,6 +103,14 @@ def test_ctrl_c_interrupts_a_long_prefill():
     assert res["finish_reason"] == "cancelled"
     assert res["ids"] == []   # stopped during the prefill, before the first token
     assert elapsed < 2.5, f"took {elapsed:.1f} s to stop"
+    # the text summary does not pretend the whole prompt was processed
+    p = subprocess.Popen([DFLASH_BIN, "generate", *model_args(), "--prompt-ids", ids, "--max-tokens", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env())
+    time.sleep(1.5)
+    assert p.poll() is None, "the prefill ended before the test could interrupt it"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert "prompt of 3900 tokens: prefill cancelled after" in err and "tok/s" not in err, err
 
 
 def test_non_finite_logits_fail_generation(tmp_path):

@@ -472,7 +472,11 @@ def test_non_finite_logits_are_an_engine_error(tmp_path):
         assert events and "non-finite logits" in json.loads(events[-1])["error"]["message"]
         assert "data: [DONE]" not in r.text and '"text"' not in r.text
         assert requests.get(s.url + "/health", timeout=10).status_code == 200
-        assert " 500 " in s.log_text()
+        log = s.log_text()
+        assert " 500 " in log
+        # the end lines name the real outcome, never finish=length
+        ends = [l for l in log.splitlines() if " 500 " in l and "completion=" in l]
+        assert ends and all("finish=error" in l for l in ends), ends
         check_clean_exit(s)
 
 
