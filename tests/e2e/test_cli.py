@@ -31,6 +31,12 @@ def generate_json(*args):
     return json.loads(p.stdout)
 
 
+def test_top_k_minus_one_is_off():
+    """--top-k -1 means off, as the server's top_k: the same output as --top-k 0."""
+    args = ("--prompt", "hi", "--max-tokens", "6", "--temperature", "1", "--seed", "5")
+    assert generate_json(*args, "--top-k", "-1")["ids"] == generate_json(*args, "--top-k", "0")["ids"]
+
+
 def test_generate_json_shape():
     out = generate_json("--chat", "Hello", "--max-tokens", "8")
     assert set(out) >= {"prompt_ids", "ids", "text", "finish_reason"}
@@ -172,6 +178,7 @@ def test_top_level_help_and_errors():
     ["generate", "--chat", "hi", "--temperature", "warm"],
     ["generate", "--chat", "hi", "--temperature", "9"],
     ["generate", "--chat", "hi", "--top-k", "1.5"],
+    ["generate", "--chat", "hi", "--top-k", "-2"],
     ["generate", "--chat", "hi", "--seed", "x"],
     ["generate", "--chat", "hi", "--seed", "99999999999999999999"],
     ["generate", "--chat", "hi", "--prompt", "x"],
