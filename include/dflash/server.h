@@ -133,7 +133,8 @@ int df_server_port(const df_server *srv);
 /* Stops gracefully: no new connections are accepted; the generation in progress is
  * cancelled within one decoding round (or one prefill chunk of 16 prompt tokens while its
  * prompt is processed), waiting requests are answered 503, and every request
- * already begun gets its answer within a grace period of 10 s; then open connections are
+ * already received gets its answer within a grace period of 10 s (one whose body is still
+ * arriving is closed at once: it can no longer be answered); then open connections are
  * closed and their threads joined. Safe to call twice or when not listening. */
 void df_server_stop(df_server *srv);
 
@@ -171,10 +172,13 @@ typedef struct df_http_response {
     const char *x_dflash;        /* decode mode header value (static), or NULL */
     int retry_after;             /* > 0: send Retry-After (seconds) */
     int www_authenticate;        /* 401: send WWW-Authenticate: Bearer */
+    int no_answer;               /* the client closed the connection (status 499, logged as such):
+                                    send nothing, close the connection */
 } df_http_response;
 
 /* Answers one request; for a non-streamed completion this blocks until it is generated.
- * Never fails: every problem becomes an error response (status 500 when out of memory).
+ * Never fails: every problem becomes an error response (status 500 when out of memory), except
+ * that a completion whose client closed the connection gets none (resp->no_answer).
  * One log line per request: at the end (and one more on arrival for completions). */
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp);
 void df_http_response_free(df_http_response *resp);

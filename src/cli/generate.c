@@ -129,9 +129,9 @@ int cmd_generate(int argc, char **argv) {
         {"enable-thinking", NULL, CLI_FLAG, &thinking, "off", "with --chat / --messages: thinking on unless the request says otherwise", 0, 0, 0},
         {"temperature", "F", CLI_FLOAT, &sp.temperature, "0 (greedy)", "sampling temperature, 0 = greedy", 0, 2, 0},
         {"top-p", "F", CLI_FLOAT_GT, &sp.top_p, "the pack's generation_config.json, else 1 (off)", "nucleus sampling mass, in (0, 1]", 0, 1, 0},
-        {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 = off", 0, 1 << 30, 0},
+        {"top-k", "N", CLI_INT, &sp.top_k, "the pack's generation_config.json, else 0 (off)", "keep the N most likely tokens, 0 or -1 = off (as the server's top_k)", -1, 1 << 30, 0},
         {"min-p", "F", CLI_FLOAT, &sp.min_p, "the pack's generation_config.json, else 0 (off)", "drop tokens below F x the top probability", 0, 1, 0},
-        {"seed", "N", CLI_U64, &sp.seed, "from the clock", "random seed (same seed, same output)", 0, 0, 0},
+        {"seed", "N", CLI_U64, &sp.seed, "from the clock", "random seed (same seed, same output); a negative N is taken modulo 2^64 (-1: the fixed seed 2^64-1)", 0, 0, 0},
         {"max-tokens", "N", CLI_INT, &max_tokens, "256", "most tokens to generate, 0 = until the context is full", 0, 1 << 30, 0},
         {"stop", "S", CLI_LIST, &stop, "none", "stop string, not printed (up to 16)", 0, 0, 0},
         {"threads", "N", CLI_INT, &threads, "0 (all CPUs)", "compute threads", 0, 4096, 0},
@@ -298,10 +298,16 @@ int cmd_generate(int argc, char **argv) {
         if (sc.printed && sc.last != '\n') putchar('\n');
         fflush(stdout);
         double pms = res.prompt_ms, dms = res.decode_ms;
-        fprintf(stderr, "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); finish: %s%s\n",
-                res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
-                df_decode_tokens_per_second(res.n_ids - 1, dms), df_finish_reason_name(res.finish),
-                speculative ? " (speculative)" : "");
+        if (res.finish == DF_FINISH_CANCELLED && res.n_ids == 0) /* during the prefill: part of the prompt */
+            fprintf(stderr, "dflash: prompt of %d tokens: prefill cancelled after %.1f ms; generated 0 tokens; finish: %s%s\n",
+                    res.n_prompt, pms, df_finish_reason_name(res.finish), speculative ? " (speculative)" : "");
+        else
+            fprintf(stderr,
+                    "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); "
+                    "finish: %s%s\n",
+                    res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
+                    df_decode_tokens_per_second(res.n_ids - 1, dms), df_finish_reason_name(res.finish),
+                    speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }
     if (stats && speculative && res.draft_rounds > 0) {

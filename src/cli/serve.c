@@ -2,10 +2,12 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "dflash/speculative.h"
@@ -23,6 +25,26 @@ static void log_line(void *user, const char *line) {
     gmtime_r(&now, &tm);
     strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", &tm);
     fprintf(stderr, "%s %s\n", ts, line);
+}
+
+/* While the server stops: a second SIGINT or SIGTERM ends the process at once. */
+typedef struct second_signal {
+    const sigset_t *sigs;
+    atomic_int done; /* the stop is over: the thread returns */
+} second_signal;
+
+static void *second_signal_main(void *arg) {
+    second_signal *s = arg;
+    while (!atomic_load(&s->done)) {
+        struct timespec tick = {0, 50 * 1000 * 1000};
+        int sig = sigtimedwait(s->sigs, NULL, &tick);
+        if (sig == SIGINT || sig == SIGTERM) {
+            log_line(NULL, sig == SIGINT ? "SIGINT again: exiting without waiting for requests in progress"
+                                         : "SIGTERM again: exiting without waiting for requests in progress");
+            _exit(CLI_EXIT_FAIL);
+        }
+    }
+    return NULL;
 }
 
 /* Serves until SIGINT or SIGTERM (or until loading the model fails). The signals are
@@ -69,8 +91,16 @@ static int serve(df_server_options *so) {
             log_line(NULL, line);
         }
     }
-done:
+done:;
+    second_signal second = {.sigs = &sigs};
+    atomic_init(&second.done, 0);
+    pthread_t second_thread;
+    const int watching = rc == CLI_EXIT_OK && pthread_create(&second_thread, NULL, second_signal_main, &second) == 0;
     df_server_free(srv);
+    if (watching) {
+        atomic_store(&second.done, 1);
+        pthread_join(second_thread, NULL);
+    }
     if (rc == CLI_EXIT_OK) log_line(NULL, "stopped");
     return rc;
 }
@@ -102,7 +132,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-header", "BYTES", CLI_SIZE, &max_header, "32768 (32 KiB)", "memory for a request's line and headers; larger ones get 431", 4096, 1 << 24, 0},
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
-        {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower one gets 408, or is closed while its headers are still arriving", 1, 86400, 0},
+        {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower or stalled one gets 408, or is closed while its headers are still arriving (an idle kept-alive connection too)", 1, 86400, 0},
         {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",

@@ -31,10 +31,13 @@ double df_decode_tokens_per_second(int tokens_after_first, double decode_ms) {
 }
 
 df_status df_gen_non_finite(df_error *err, int index) {
+    char at[64];
+    if (index == 0) snprintf(at, sizeof at, "at the first generated token");
+    else snprintf(at, sizeof at, "at generated token %d (0-based position)", index);
     return df_error_set(err, DF_ERR_NUMERIC,
-                        "the model produced non-finite logits (NaN or infinity) for generated token %d: the pack's "
-                        "weights or the computation are broken",
-                        index);
+                        "the model produced non-finite logits (NaN or infinity) %s: the pack's weights or the "
+                        "computation are broken",
+                        at);
 }
 
 const char *df_finish_reason_name(df_finish_reason r) {

@@ -12,7 +12,10 @@
  * deliver a whole request, counted from the connection's opening (or the end of its previous
  * answer): a body still arriving past that gets 408 (checked as its bytes come in, and the
  * connection is closed with the answer); headers still arriving past it (libmicrohttpd calls
- * nothing before they are complete) are cut off by a watch thread that shuts the socket down.
+ * nothing before they are complete) are cut off by a watch thread that shuts the socket down,
+ * and so is a kept-alive connection that stays idle that long after its previous answer. A body
+ * that stops arriving altogether (no bytes, so nothing is called) is answered 408 by the watch
+ * thread, which then shuts the socket down.
  */
 #include "server/server_impl.h"
 
@@ -57,7 +60,11 @@ typedef struct sock_ctx {
     int fd;
     struct timespec since;  /* the connection's opening, or the end of its previous answer */
     int in_request;         /* a request's headers are in: its body and answer are the handler's */
+    int answering;          /* the connection's thread answers the request (claim_answer) */
     int shut;               /* the watch shut it down */
+    unsigned long answers;  /* requests answered on the connection so far */
+    /* the request in progress, for the watch's 408 */
+    char method[16], path[256], client[64];
 } sock_ctx;
 
 typedef struct conn_watch {
@@ -65,6 +72,7 @@ typedef struct conn_watch {
     pthread_cond_t cond;
     sock_ctx *head;
     int stop;
+    int quiet_reads;        /* libmicrohttpd's read errors still to come from stalled bodies shut down */
     pthread_t thread;
 } conn_watch;
 
@@ -80,31 +88,72 @@ static int passed(const struct timespec *deadline) {
     return now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec);
 }
 
-/* The watch thread: every quarter second, shuts down the connections still waiting for a
- * request's headers past request_timeout_s (libmicrohttpd then closes them as if the client
- * had). The list lock is held while shutting a socket down, and a connection leaves the list
- * (on_connection, "closed") before libmicrohttpd closes its socket, so the descriptor is
- * still the connection's own. */
+static void send_all(int fd, const char *p, size_t n);
+
+/* Writes the 408 answer r (no more than that: the connection closes after it) to socket fd. */
+static void send_timeout_answer(int fd, const df_http_response *r) {
+    char head[256];
+    int hn = snprintf(head, sizeof head,
+                      "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                      "Connection: close\r\n\r\n",
+                      r->status, r->content_type ? r->content_type : "application/json", r->body_len);
+    send_all(fd, head, (size_t)hn);
+    send_all(fd, r->body, r->body_len);
+}
+
+/* The watch's answer to c's request, whose body stopped arriving before its deadline: 408
+ * (logged as every answer is), then the socket is shut down. Called with the list lock held
+ * (the descriptor is still c's own), after the connection's thread had not claimed the answer
+ * (that thread, blocked reading the body, writes nothing meanwhile; claim_answer then fails). */
+static void answer_stalled_body(df_server *srv, sock_ctx *c) {
+    df_http_request req = {.method = c->method, .path = c->path, .timed_out = 1, .client_fd = -1, .client = c->client};
+    df_http_response r;
+    df_server_handle(srv, &req, &r);
+    if (r.body) send_timeout_answer(c->fd, &r);
+    df_http_response_free(&r);
+    shutdown(c->fd, SHUT_RDWR);
+}
+
+/* The watch thread: every quarter second, shuts down the connections whose request is not in
+ * past request_timeout_s: those still waiting for a request's headers, kept-alive ones idle
+ * since their previous answer (libmicrohttpd then closes them as if the client had), and those
+ * whose body stopped arriving (answered 408 first). The list lock is held while shutting a
+ * socket down, and a connection leaves the list (on_connection, "closed") before libmicrohttpd
+ * closes its socket, so the descriptor is still the connection's own. */
 static void *watch_main(void *arg) {
     df_server *srv = arg;
     conn_watch *w = srv->watch;
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {
-        int n = 0;
+        int fresh = 0, kept = 0, body = 0;
         for (sock_ctx *c = w->head; c; c = c->next) {
             struct timespec d = deadline_after(&c->since, srv->opt.request_timeout_s);
-            if (!c->in_request && !c->shut && passed(&d)) {
+            if (c->shut || c->answering || !passed(&d)) continue;
+            if (c->in_request) {
+                answer_stalled_body(srv, c);
+                w->quiet_reads++;
+                body++;
+            } else {
                 shutdown(c->fd, SHUT_RDWR);
-                c->shut = 1;
-                n++;
+                if (c->answers) kept++;
+                else fresh++;
             }
+            c->shut = 1;
         }
-        if (n) {
-            pthread_mutex_unlock(&w->lock);
-            df_server_log(srv, "http: closed %d connection%s that sent no complete request headers within %u s", n,
-                          n > 1 ? "s" : "", srv->opt.request_timeout_s);
-            pthread_mutex_lock(&w->lock);
-        }
+        pthread_mutex_unlock(&w->lock);
+        const unsigned rt = srv->opt.request_timeout_s;
+        if (fresh)
+            df_server_log(srv, "http: closed %d connection%s that sent no complete request headers within %u s", fresh,
+                          fresh > 1 ? "s" : "", rt);
+        if (kept)
+            df_server_log(srv,
+                          "http: closed %d kept-alive connection%s with no complete new request (idle, or headers "
+                          "incomplete) within %u s of the previous answer",
+                          kept, kept > 1 ? "s" : "", rt);
+        if (body)
+            df_server_log(srv, "http: answered 408 and closed %d connection%s whose request body was incomplete after %u s",
+                          body, body > 1 ? "s" : "", rt);
+        pthread_mutex_lock(&w->lock);
         struct timespec t;
         clock_gettime(CLOCK_REALTIME, &t);
         t.tv_nsec += 250 * 1000 * 1000;
@@ -151,20 +200,43 @@ static sock_ctx *sock_of(struct MHD_Connection *conn) {
     return ci ? ci->socket_context : NULL;
 }
 
+static void client_address(struct MHD_Connection *conn, char *out, size_t cap);
+
 /* A request's headers are in: its deadline (request_timeout_s after the connection's opening
- * or previous answer) is the handler's to check from now on. */
-static void request_begins(df_server *srv, conn_ctx *ctx) {
+ * or previous answer) is the handler's to check as body bytes come in, and the watch's while
+ * none do. */
+static void request_begins(df_server *srv, conn_ctx *ctx, const char *url, const char *method) {
     conn_watch *w = srv->watch;
     sock_ctx *c = sock_of(ctx->conn);
     struct timespec since;
     clock_gettime(CLOCK_MONOTONIC, &since);
     if (c) {
+        char client[64];
+        client_address(ctx->conn, client, sizeof client);
         pthread_mutex_lock(&w->lock);
         c->in_request = 1;
+        c->answering = 0;
+        snprintf(c->method, sizeof c->method, "%s", method ? method : "");
+        snprintf(c->path, sizeof c->path, "%s", url ? url : "");
+        memcpy(c->client, client, sizeof c->client);
         since = c->since;
         pthread_mutex_unlock(&w->lock);
     }
     ctx->deadline = deadline_after(&since, srv->opt.request_timeout_s);
+}
+
+/* The connection's thread is about to answer the request: 1, or 0 when the watch answered it
+ * already (the connection is then to be closed: MHD_NO). */
+static int claim_answer(df_server *srv, conn_ctx *ctx) {
+    conn_watch *w = srv->watch;
+    sock_ctx *c = sock_of(ctx->conn);
+    if (!c) return 1;
+    pthread_mutex_lock(&w->lock);
+    int ok = !c->shut;
+    if (ok) c->answering = 1;
+    pthread_mutex_unlock(&w->lock);
+    if (!ok) g_closing_on_purpose = 1;
+    return ok;
 }
 
 /* The answer is over: the next request on the connection has request_timeout_s from now. */
@@ -174,6 +246,8 @@ static void request_ends(df_server *srv, struct MHD_Connection *conn) {
     if (!c) return;
     pthread_mutex_lock(&w->lock);
     c->in_request = 0;
+    c->answering = 0;
+    c->answers++;
     clock_gettime(CLOCK_MONOTONIC, &c->since);
     pthread_mutex_unlock(&w->lock);
 }
@@ -206,6 +280,11 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
 static void close_stream(void *cls) { df_server_stream_close(cls); }
 
 static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
+    if (r->no_answer) { /* the client went away: the connection closes with nothing sent */
+        df_http_response_free(r);
+        g_closing_on_purpose = 1;
+        return MHD_NO;
+    }
     struct MHD_Response *resp;
     if (r->stream) {
         resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read_stream, r->stream, close_stream);
@@ -236,6 +315,7 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
 }
 
 static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, const char *method) {
+    if (!claim_answer(srv, ctx)) return MHD_NO;
     char client[64];
     client_address(ctx->conn, client, sizeof client);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
@@ -284,6 +364,7 @@ static void send_all(int fd, const char *p, size_t n) {
  * for a moment (so that closing it does not reset the connection before the client reads the
  * answer); MHD_NO then closes the connection. */
 static enum MHD_Result answer_timed_out_body(df_server *srv, conn_ctx *ctx, const char *url, const char *method) {
+    if (!claim_answer(srv, ctx)) return MHD_NO;
     ctx->timed_out = 1;
     char client[64];
     client_address(ctx->conn, client, sizeof client);
@@ -293,13 +374,7 @@ static enum MHD_Result answer_timed_out_body(df_server *srv, conn_ctx *ctx, cons
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci && r.body) {
         const int fd = ci->connect_fd;
-        char head[256];
-        int hn = snprintf(head, sizeof head,
-                          "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-                          "Connection: close\r\n\r\n",
-                          r.status, r.content_type ? r.content_type : "application/json", r.body_len);
-        send_all(fd, head, (size_t)hn);
-        send_all(fd, r.body, r.body_len);
+        send_timeout_answer(fd, &r);
         shutdown(fd, SHUT_WR);
         char sink[4096];
         for (int waited_ms = 0; waited_ms < 500; waited_ms += 50) {
@@ -353,7 +428,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         ctx->conn = conn;
         atomic_fetch_add(&srv->in_flight, 1);
         *con_cls = ctx;
-        request_begins(srv, ctx);
+        request_begins(srv, ctx, url, method);
         if (passed(&ctx->deadline)) { /* the headers alone took too long */
             ctx->timed_out = 1;
             return answer(srv, ctx, url, method);
@@ -404,6 +479,17 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
     if (g_closing_on_purpose && strncmp(line, "Application reported internal error", 35) == 0) {
         g_closing_on_purpose = 0;
         return;
+    }
+    /* the read error of a connection that the watch answered 408 and shut down (logged there) */
+    static const char shut_read[] = "Connection socket is closed when reading request";
+    df_server *srv = cls;
+    if (srv->watch && strncmp(line, shut_read, sizeof shut_read - 1) == 0) {
+        conn_watch *w = srv->watch;
+        pthread_mutex_lock(&w->lock);
+        int quiet = w->quiet_reads > 0;
+        if (quiet) w->quiet_reads--;
+        pthread_mutex_unlock(&w->lock);
+        if (quiet) return;
     }
     size_t n = strlen(line);
     while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
@@ -461,6 +547,24 @@ static void watch_free(df_server *srv) {
     pthread_cond_destroy(&w->cond);
     free(w);
     srv->watch = NULL;
+}
+
+/* At shutdown: shuts down the connections whose request body is still incomplete (such a
+ * request can no longer be answered); returns how many. */
+static int watch_shut_incomplete(df_server *srv) {
+    conn_watch *w = srv->watch;
+    if (!w) return 0;
+    int n = 0;
+    pthread_mutex_lock(&w->lock);
+    for (sock_ctx *c = w->head; c; c = c->next) {
+        if (c->shut || !c->in_request || c->answering) continue;
+        shutdown(c->fd, SHUT_RDWR);
+        c->shut = 1;
+        w->quiet_reads++;
+        n++;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return n;
 }
 
 /* Stops the watch thread (after the daemon: no connection is left on its list). */
@@ -522,7 +626,8 @@ df_status df_server_listen(df_server *srv, df_error *err) {
 }
 
 /* Graceful stop: no new connections; a generation in progress is cancelled and, like every
- * request already begun, gets its answer (up to a grace period); then connections close. */
+ * request already received, gets its answer (up to a grace period); a request whose body is
+ * still arriving is closed at once; then connections close. */
 void df_server_stop(df_server *srv) {
     if (!srv || !srv->daemon) return;
     atomic_store(&srv->stopping, 1);   /* cancels a generation in progress; new requests get 503 */
@@ -534,10 +639,16 @@ void df_server_stop(df_server *srv) {
         pthread_join(srv->worker, NULL);
         srv->worker_started = 0;
     }
+    int cut = 0; /* requests whose body was still arriving: never to be answered, closed at once */
     for (int waited_ms = 0; atomic_load(&srv->in_flight) > 0 && waited_ms < STOP_GRACE_MS; waited_ms += 10) {
+        cut += watch_shut_incomplete(srv);
+        if (atomic_load(&srv->in_flight) == 0) break;
         struct timespec ts = {0, 10 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
+    if (cut)
+        df_server_log(srv, "http: closed %d connection%s whose request body was incomplete at shutdown", cut,
+                      cut > 1 ? "s" : "");
     MHD_stop_daemon(srv->daemon);      /* closes connections, joins their threads */
     watch_stop(srv);
     if (listener != MHD_INVALID_SOCKET) close(listener);

@@ -983,13 +983,36 @@ static void text_offset_advance(df_api_text_offset *o, const df_tokenizer *tok, 
     }
 }
 
+/* 1 if byte b continues the unfinished sequence o->pend (as far as it goes, a valid prefix of
+ * a UTF-8 character), so that a token starting with b points at that character. Otherwise the
+ * pending bytes come out as one U+FFFD each before b's text. */
+static int text_offset_continues(const df_api_text_offset *o, unsigned char b) {
+    if (o->n_pend <= 0 || (b & 0xC0) != 0x80) return 0;
+    unsigned char s[2] = {o->pend[0], o->n_pend > 1 ? o->pend[1] : b};
+    if (s[0] == 0xE0 && s[1] < 0xA0) return 0;
+    if (s[0] == 0xED && s[1] > 0x9F) return 0;
+    if (s[0] == 0xF0 && s[1] < 0x90) return 0;
+    if (s[0] == 0xF4 && s[1] > 0x8F) return 0;
+    return 1;
+}
+
+/* The offset of token id's text: where it begins in the returned text, after the U+FFFD of
+ * pending bytes that its first byte does not continue. */
+static size_t text_offset_of(const df_api_text_offset *o, const df_tokenizer *tok, int32_t id) {
+    if (o->n_pend <= 0 || (o->skip_special && df_tokenizer_is_special(tok, id))) return o->chars;
+    size_t n = 0;
+    const char *piece = df_tokenizer_piece(tok, id, &n);
+    if (!piece || !n || text_offset_continues(o, (unsigned char)piece[0])) return o->chars;
+    return o->chars + (size_t)o->n_pend;
+}
+
 json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, df_api_text_offset *off) {
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     for (int i = 0; i < n; i++) {
         json_t *t, *b;
         token_text(tok, info[i].id, &t, &b);
         json_decref(b);
-        json_array_append_new(offs, json_integer((json_int_t)off->chars));
+        json_array_append_new(offs, json_integer((json_int_t)text_offset_of(off, tok, info[i].id)));
         text_offset_advance(off, tok, info[i].id);
         json_array_append_new(tokens, t ? t : json_string(""));
         json_array_append_new(lps, logprob_value(info[i].logprob));

@@ -95,7 +95,8 @@ json_t *df_api_logprob_entry(const df_tokenizer *tok, const df_token_info *info)
  * Python str counts them) of the returned text that come before the next token, and the bytes
  * of a UTF-8 sequence that the tokens so far left unfinished. A token's offset is where its
  * text begins in the returned text (a token that only starts a multi-byte character points at
- * that character), so offsets index the text (echo included) and never pass its end. */
+ * that character; bytes left unfinished that a token does not continue come out as one U+FFFD
+ * each before its text), so offsets index the text (echo included) and never pass its end. */
 typedef struct df_api_text_offset {
     size_t chars;
     unsigned char pend[8];

@@ -537,7 +537,13 @@ static int route_completion(df_server *srv, const df_http_request *req, df_route
     resp->retry_after = j->retry_after;
     json_t *body = j->body;
     j->body = NULL;
-    set_json(resp, j->status, body);
+    if (j->status == 499) { /* nobody to answer (a half-closed client is told nothing made up) */
+        json_decref(body);
+        resp->status = 499;
+        resp->no_answer = 1;
+    } else {
+        set_json(resp, j->status, body);
+    }
     df_job_unref(j);
     return 1;
 }

@@ -441,6 +441,7 @@ static void run_job(df_job *j) {
 
     if (st == DF_ERR_CANCELLED || atomic_load(&srv->stopping)) {
         json_decref(choices);
+        j->finish = "cancelled";
         if (c.client_gone || atomic_load(&j->cancelled)) {
             snprintf(j->note, sizeof j->note, "the client closed the connection");
             j->body = NULL;
@@ -452,6 +453,7 @@ static void run_job(df_job *j) {
     }
     if (st != DF_OK) {
         json_decref(choices);
+        j->finish = "error";
         char msg[DF_ERROR_MSG_MAX];
         df_server_redact(srv, err.msg[0] ? err.msg : "out of memory", msg, sizeof msg);
         if (st == DF_ERR_RANGE || st == DF_ERR_INVALID_ARG)

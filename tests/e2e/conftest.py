@@ -158,6 +158,15 @@ class Server:
         self.close()
 
 
+def wait_for_log(s, text, timeout=60):
+    """s's log once it holds text (asserted within timeout seconds)."""
+    deadline = time.time() + timeout
+    while text not in s.log_text():
+        assert time.time() < deadline, f"{text!r} not logged:\n{s.log_text()[-2000:]}"
+        time.sleep(0.05)
+    return s.log_text()
+
+
 def check_clean_exit(s):
     """Stops s with SIGTERM: it must exit 0 after logging "stopped" (and, under a sanitizer,
     without a report)."""

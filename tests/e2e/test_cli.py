@@ -31,6 +31,12 @@ def generate_json(*args):
     return json.loads(p.stdout)
 
 
+def test_top_k_minus_one_is_off():
+    """--top-k -1 means off, as the server's top_k: the same output as --top-k 0."""
+    args = ("--prompt", "hi", "--max-tokens", "6", "--temperature", "1", "--seed", "5")
+    assert generate_json(*args, "--top-k", "-1")["ids"] == generate_json(*args, "--top-k", "0")["ids"]
+
+
 def test_generate_json_shape():
     out = generate_json("--chat", "Hello", "--max-tokens", "8")
     assert set(out) >= {"prompt_ids", "ids", "text", "finish_reason"}
@@ -103,6 +109,14 @@ def test_ctrl_c_interrupts_a_long_prefill():
     assert res["finish_reason"] == "cancelled"
     assert res["ids"] == []   # stopped during the prefill, before the first token
     assert elapsed < 2.5, f"took {elapsed:.1f} s to stop"
+    # the text summary does not pretend the whole prompt was processed
+    p = subprocess.Popen([DFLASH_BIN, "generate", *model_args(), "--prompt-ids", ids, "--max-tokens", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env())
+    time.sleep(1.5)
+    assert p.poll() is None, "the prefill ended before the test could interrupt it"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert "prompt of 3900 tokens: prefill cancelled after" in err and "tok/s" not in err, err
 
 
 def test_non_finite_logits_fail_generation(tmp_path):
@@ -164,6 +178,7 @@ def test_top_level_help_and_errors():
     ["generate", "--chat", "hi", "--temperature", "warm"],
     ["generate", "--chat", "hi", "--temperature", "9"],
     ["generate", "--chat", "hi", "--top-k", "1.5"],
+    ["generate", "--chat", "hi", "--top-k", "-2"],
     ["generate", "--chat", "hi", "--seed", "x"],
     ["generate", "--chat", "hi", "--seed", "99999999999999999999"],
     ["generate", "--chat", "hi", "--prompt", "x"],

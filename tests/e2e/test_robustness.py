@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, model_dir
+from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, model_dir, wait_for_log
 
 MSG = [{"role": "user", "content": "hi"}]
 SLOW = 6 if SANITIZED else 1
@@ -453,6 +453,48 @@ def test_slow_senders_get_a_deadline():
         s.close()
 
 
+def read_to_close(sock):
+    """All that sock receives until the server closes the connection."""
+    out = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_stalled_body_and_idle_keepalive_end_at_the_request_timeout():
+    """A body that stops arriving (no bytes at all, so the idle --timeout would be the first to
+    fire) gets 408 at --request-timeout, and a kept-alive connection idle that long after its
+    answer is closed then; the log says which."""
+    s = Server("--request-timeout", "3", "--timeout", "30")
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            t0 = time.time()
+            c.sendall(head + b'{"pro')
+            out = read_to_close(c)
+            took = time.time() - t0
+        assert out.startswith(b"HTTP/1.1 408 "), out
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert 2.5 < took < 3 + 3 * SLOW, took
+        log = wait_for_log(s, "answered 408 and closed 1 connection whose request body was incomplete after 3 s")
+        assert " POST /v1/completions 408 " in log and "http: Connection socket is closed" not in log, log
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            out = c.recv(65536)
+            assert b" 200 " in out.split(b"\r\n", 1)[0], out
+            t0 = time.time()
+            while c.recv(65536):
+                pass
+            took = time.time() - t0
+        assert 2.5 < took < 3 + 3 * SLOW, took
+        wait_for_log(s, "closed 1 kept-alive connection with no complete new request")
+        check_clean_exit(s)
+    finally:
+        s.close()
+
+
 def test_half_closed_and_garbage(srv):
     body = json.dumps({"messages": MSG, "max_tokens": 2, "temperature": 0}).encode()
     payloads = [
@@ -470,6 +512,45 @@ def test_half_closed_and_garbage(srv):
                 s.recv(65536)
             except OSError:
                 pass
+    assert srv.alive()
+
+
+def test_shutdown_closes_a_partial_body_at_once():
+    """At shutdown a request whose body is still arriving can never be answered: it is closed
+    at once rather than holding the exit for the 10 s grace."""
+    s = Server()
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(head + b'{"pro')
+            wait_for_log(s, "serving model")
+            time.sleep(0.3)
+            t0 = time.time()
+            assert s.stop() == 0
+            took = time.time() - t0
+            assert read_to_close(c) == b""
+        log = s.log_text()
+        assert took < 2 + 2 * SLOW, (took, log[-2000:])
+        assert "closed 1 connection whose request body was incomplete at shutdown" in log, log[-2000:]
+        assert "http: Connection socket is closed" not in log and "stopped" in log, log[-2000:]
+    finally:
+        s.close()
+
+
+def test_half_closed_client_gets_no_made_up_error(srv):
+    """A client that half-closes after a complete request cannot be told from one that left:
+    its request ends as 499 (logged) and the connection closes with no answer, never a made-up
+    500."""
+    body = json.dumps({"messages": MSG, "max_tokens": 2, "temperature": 0}).encode()
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+           % len(body) + body)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        out = read_to_close(s)
+    assert b"out of memory" not in out and not out.startswith(b"HTTP/1.1 500"), out
+    log = wait_for_log(srv, " 499 ", timeout=30)
+    assert "out of memory" not in log and "Application reported internal error" not in log, log[-2000:]
     assert srv.alive()
 
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize
+from conftest import DFLASH_BIN, DRAFTER, SOURCE_DIR, Server, assert_error, base_env, chatml, check_clean_exit, model_args, model_dir, nan_pack, run_cli, tokenize, wait_for_log
 
 PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "What is 2+2?", "class Stack:",
            "for i in range(10):", "Tell me a story."]
@@ -415,13 +415,6 @@ def test_shutdown_during_generation():
 LONG_PROMPT_IDS = [276 + i % 50 for i in range(3900)]   # seconds of prefill on the CPU
 
 
-def wait_for_log(s, text, timeout=60):
-    deadline = time.time() + timeout
-    while text not in s.log_text():
-        assert time.time() < deadline, f"{text!r} not logged:\n{s.log_text()[-2000:]}"
-        time.sleep(0.05)
-
-
 def test_shutdown_during_long_prefill():
     """SIGTERM while a long prompt is prefilled stops at the next prefill chunk: the request
     gets 503 before any token is generated and the process exits at once."""
@@ -479,7 +472,11 @@ def test_non_finite_logits_are_an_engine_error(tmp_path):
         assert events and "non-finite logits" in json.loads(events[-1])["error"]["message"]
         assert "data: [DONE]" not in r.text and '"text"' not in r.text
         assert requests.get(s.url + "/health", timeout=10).status_code == 200
-        assert " 500 " in s.log_text()
+        log = s.log_text()
+        assert " 500 " in log
+        # the end lines name the real outcome, never finish=length
+        ends = [l for l in log.splitlines() if " 500 " in l and "completion=" in l]
+        assert ends and all("finish=error" in l for l in ends), ends
         check_clean_exit(s)
 
 

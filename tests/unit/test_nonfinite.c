@@ -142,7 +142,7 @@ static void test_nan_pack_fails(void **state) {
         assert_int_equal(r.st, DF_ERR_NUMERIC);
         assert_int_equal(r.res.n_ids, 0);
         assert_non_null(strstr(r.msg, "non-finite logits"));
-        assert_non_null(strstr(r.msg, "generated token 0"));
+        assert_non_null(strstr(r.msg, "at the first generated token"));
         df_gen_result_free(&r.res);
     }
 }
@@ -166,7 +166,7 @@ static void test_one_nan_token_fails_after_it(void **state) {
     assert_true(k < ok.res.n_ids - 1);
     const char *dir = poisoned_pack(ok.res.ids[k]);
     char want[64];
-    snprintf(want, sizeof want, "generated token %d", k + 1);
+    snprintf(want, sizeof want, "at generated token %d (0-based position)", k + 1);
     for (int spec = 0; spec < 2; spec++) {
         gen_run r = generate_on(dir, spec, prompt, 6, 24);
         assert_int_equal(r.st, DF_ERR_NUMERIC);

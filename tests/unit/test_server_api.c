@@ -378,6 +378,51 @@ static void test_prompt_tool_choice(void **state) {
     df_chat_built_free(&named);
 }
 
+/* Completions text_offset after a token that leaves an unfinished UTF-8 sequence: when the
+ * next token does not continue it, the pending bytes come out as U+FFFD before that token's
+ * text, which then starts one character per pending byte later. */
+static size_t offsets_of(prompt_fixture *f, const char *const *pieces, int n, json_int_t *offs) {
+    df_token_info info[8];
+    memset(info, 0, sizeof info);
+    for (int i = 0; i < n; i++) {
+        info[i].id = df_tokenizer_token_id(f->tok, pieces[i]);
+        assert_true(info[i].id >= 0);
+    }
+    df_api_text_offset off;
+    df_api_text_offset_init(&off, NULL, 0, 1);
+    json_t *lp = df_api_completion_logprobs(f->tok, info, n, &off);
+    assert_non_null(lp);
+    json_t *a = json_object_get(lp, "text_offset");
+    assert_int_equal(json_array_size(a), (size_t)n);
+    for (int i = 0; i < n; i++) offs[i] = json_integer_value(json_array_get(a, (size_t)i));
+    json_decref(lp);
+    return off.chars;
+}
+
+static void test_text_offset_after_unfinished_utf8(void **state) {
+    prompt_fixture *f = *state;
+    json_int_t o[8];
+    /* byte-level pieces: "\u00e2" is the byte 0xE2, "\u0122" 0x80, "\u00e0" 0xE0, "\u0120" a space */
+    const char *lone[] = {"\u00e2", "\u0120close"}; /* "\ufffd close" */
+    offsets_of(f, lone, 2, o);
+    assert_int_equal(o[0], 0);
+    assert_int_equal(o[1], 1);
+    const char *two[] = {"\u00e2", "\u0122", "h"}; /* E2 80 'h': "\ufffd\ufffdh" */
+    offsets_of(f, two, 3, o);
+    assert_int_equal(o[0], 0);
+    assert_int_equal(o[1], 0); /* continues the character begun by the first token */
+    assert_int_equal(o[2], 2);
+    const char *whole[] = {"\u00e2", "\u0122", "\u0122", "h"}; /* U+2000 then 'h' */
+    assert_int_equal(offsets_of(f, whole, 4, o), 2);
+    assert_int_equal(o[1], 0);
+    assert_int_equal(o[2], 0);
+    assert_int_equal(o[3], 1);
+    const char *invalid[] = {"\u00e0", "\u0122"}; /* E0 80 can begin no character */
+    offsets_of(f, invalid, 2, o);
+    assert_int_equal(o[0], 0);
+    assert_int_equal(o[1], 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loading_state),
@@ -388,6 +433,7 @@ int main(void) {
         cmocka_unit_test(test_request_huge_numbers),
         cmocka_unit_test_setup_teardown(test_prompt_untrusted_text, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_prompt_tool_choice, prompt_setup, prompt_teardown),
+        cmocka_unit_test_setup_teardown(test_text_offset_after_unfinished_utf8, prompt_setup, prompt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
