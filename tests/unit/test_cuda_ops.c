@@ -1010,6 +1010,17 @@ static void test_dyn_conv(void **state) {
 /* linears (RMSNorm + several linears, fixed-point and dense mixed) and linear_add (SwiGLU +
  * linear + residual add): M-row == single-row bits, and == the primitive ops in sequence on
  * the same backend. */
+/* Outputs dy[i] == dz[i] bit for bit ([M, q[i].L.rows] each; hy, hz: host scratch). */
+static void same_outputs(df_backend *be, int n, const qlin *q, int M, float *const *dy, float *const *dz, float *hy,
+                         float *hz, const char *what) {
+    for (int i = 0; i < n; i++) {
+        const size_t k = (size_t)M * (size_t)q[i].L.rows;
+        dget(be, hy, dy[i], k * 4);
+        dget(be, hz, dz[i], k * 4);
+        if (memcmp(hy, hz, k * 4) != 0) fail_msg("%s: output %d (M = %d) differs from rmsnorm + linear", what, i, M);
+    }
+}
+
 static void fused_case(df_backend *be, const char *kernel) {
     const int H = 1024, R = DF_MAX_ROWS, I = 2048;
     qlin q[4], d;
@@ -1038,12 +1049,7 @@ static void fused_case(df_backend *be, const char *kernel) {
         be->ops->linears(be, dx, nw, 1e-6f, M, H, 4, Ws, dy, dh);
         be->ops->rmsnorm(be, dx, nw, M, H, 1e-6f, dh2);
         for (int i = 0; i < 4; i++) be->ops->linear(be, Ws[i], dh2, M, dz[i]);
-        for (int i = 0; i < 4; i++) {
-            const size_t n = (size_t)M * (size_t)q[i].L.rows;
-            dget(be, hy, dy[i], n * 4);
-            dget(be, hz, dz[i], n * 4);
-            if (memcmp(hy, hz, n * 4) != 0) fail_msg("linears: output %d (M = %d) differs from rmsnorm + linear", i, M);
-        }
+        same_outputs(be, 4, q, M, dy, dz, hy, hz, "linears");
         dget(be, hy, dh, (size_t)M * H * 4);
         dget(be, hz, dh2, (size_t)M * H * 4);
         if (memcmp(hy, hz, (size_t)M * H * 4) != 0) fail_msg("linears: h differs from rmsnorm (M = %d)", M);
@@ -1101,13 +1107,7 @@ static void fused_case(df_backend *be, const char *kernel) {
         be->ops->linear_add(be, &d.L, dx, du, M, dr2);
         be->ops->rmsnorm(be, dr2, nw, M, H, 1e-6f, dh2);
         for (int i = 0; i < 4; i++) be->ops->linear(be, Ws[i], dh2, M, dz[i]);
-        for (int i = 0; i < 4; i++) {
-            const size_t n = (size_t)M * (size_t)q[i].L.rows;
-            dget(be, hy, dy[i], n * 4);
-            dget(be, hz, dz[i], n * 4);
-            if (memcmp(hy, hz, n * 4) != 0)
-                fail_msg("linears after linear_add: output %d (M = %d) differs from rmsnorm + linear", i, M);
-        }
+        same_outputs(be, 4, q, M, dy, dz, hy, hz, "linears after linear_add");
         float *yg[2] = {dg, dup};
         be->ops->to_device(be, dh2, r0, (size_t)R * H * 4);
         be->ops->to_device(be, dh, r0, (size_t)R * H * 4);
