@@ -59,6 +59,21 @@ int cli_parse(cli_command *cmd, int argc, char **argv);
 /* 1 when the argument arg is an option (it starts with "--"), so it cannot be the value of the
  * option before it; 0 for a value (including negative numbers like "-1"). */
 int cli_is_option(const char *arg);
+
+/* The arguments of a command that walks its own options (synth, bench), with each
+ * "--name=VALUE" split into "--name" and VALUE: argv[argc] is NULL, is_value[i] is 1 where
+ * argv[i] came from the right of an '=' (a value even when it starts with "--"). */
+typedef struct cli_args {
+    int argc;
+    char **argv;
+    unsigned char *is_value;
+    char *store; /* the split names */
+} cli_args;
+
+/* Splits argv[0..argc) into *out (its own allocations: cli_args_free). 0, or -1 when out of
+ * memory. */
+int cli_args_split(cli_args *out, int argc, char **argv);
+void cli_args_free(cli_args *a);
 /* Prints a usage error for cmd to stderr and returns CLI_EXIT_USAGE. */
 int cli_usage_error(const cli_command *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The option named name (for .given). */

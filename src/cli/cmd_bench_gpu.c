@@ -380,7 +380,7 @@ static int list_opt(const char *name, const char *v, int *out, int *n) {
     return 0;
 }
 
-int df_cmd_bench(int argc, char **argv) {
+static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     bench_opts o = {.device = "cuda", .ctx = 1024, .gen = 128, .repeats = 7, .window = 4096, .verify_curve = 1};
     o.blocks[0] = 16;
     o.n_blocks = 1;
@@ -397,7 +397,7 @@ int df_cmd_bench(int argc, char **argv) {
     int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        const char *v = i + 1 < argc && !cli_is_option(argv[i + 1]) ? argv[i + 1] : NULL;
+        const char *v = i + 1 < argc && (!cli_is_option(argv[i + 1]) || is_value[i + 1]) ? argv[i + 1] : NULL;
         for (size_t k = 0; k < sizeof once / sizeof once[0]; k++)
             if (!strcmp(a, once[k]) && seen[k]++) return usage_error("option %s given twice", a);
         for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
@@ -763,5 +763,16 @@ out:
     df_drafter_free(d);
     df_session_free(s);
     df_engine_free(e);
+    return rc;
+}
+
+int df_cmd_bench(int argc, char **argv) {
+    cli_args a;
+    if (cli_args_split(&a, argc, argv) != 0) {
+        fprintf(stderr, "dflash bench: out of memory\n");
+        return CLI_EXIT_FAIL;
+    }
+    const int rc = bench_main(a.argc, a.argv, a.is_value);
+    cli_args_free(&a);
     return rc;
 }

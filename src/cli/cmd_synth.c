@@ -41,7 +41,7 @@ static int usage(void) {
     return 2;
 }
 
-int df_cmd_synth(int argc, char **argv) {
+static int synth_main(int argc, char **argv, const unsigned char *is_value) {
     df_synth_options o;
     memset(&o, 0, sizeof o);
     o.preset = "27b";
@@ -59,7 +59,7 @@ int df_cmd_synth(int argc, char **argv) {
                 return 2;
             }
         for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
-            if (!strcmp(argv[i], valued[k]) && (i + 1 >= argc || cli_is_option(argv[i + 1]))) {
+            if (!strcmp(argv[i], valued[k]) && (i + 1 >= argc || (cli_is_option(argv[i + 1]) && !is_value[i + 1]))) {
                 fprintf(stderr, "dflash synth: option %s needs a value\n(see 'dflash synth --help')\n", argv[i]);
                 return 2;
             }
@@ -126,4 +126,15 @@ int df_cmd_synth(int argc, char **argv) {
     printf("synth: wrote %s pack to %s%s in %.1f s\n", o.preset, o.out_dir, o.drafter ? " (+ drafter/)" : "",
            (df_now_ms() - t0) / 1000.0);
     return 0;
+}
+
+int df_cmd_synth(int argc, char **argv) {
+    cli_args a;
+    if (cli_args_split(&a, argc, argv) != 0) {
+        fprintf(stderr, "dflash synth: out of memory\n");
+        return CLI_EXIT_FAIL;
+    }
+    const int rc = synth_main(a.argc, a.argv, a.is_value);
+    cli_args_free(&a);
+    return rc;
 }

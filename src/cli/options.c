@@ -34,6 +34,47 @@ int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
 
 int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }
 
+int cli_args_split(cli_args *out, int argc, char **argv) {
+    memset(out, 0, sizeof *out);
+    size_t bytes = 0;
+    int n = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *eq = cli_is_option(argv[i]) ? strchr(argv[i], '=') : NULL;
+        n += eq && eq > argv[i] + 2 ? 2 : 1;
+        if (eq) bytes += (size_t)(eq - argv[i]) + 1;
+    }
+    out->argv = calloc((size_t)n + 1, sizeof *out->argv);
+    out->is_value = calloc((size_t)n + 1, 1);
+    out->store = malloc(bytes + 1);
+    if (!out->argv || !out->is_value || !out->store) {
+        cli_args_free(out);
+        return -1;
+    }
+    char *st = out->store;
+    for (int i = 0; i < argc; i++) {
+        const char *eq = cli_is_option(argv[i]) ? strchr(argv[i], '=') : NULL;
+        if (eq && eq > argv[i] + 2) {
+            const size_t k = (size_t)(eq - argv[i]);
+            memcpy(st, argv[i], k);
+            st[k] = 0;
+            out->argv[out->argc++] = st;
+            st += k + 1;
+            out->is_value[out->argc] = 1;
+            out->argv[out->argc++] = (char *)(eq + 1);
+        } else {
+            out->argv[out->argc++] = argv[i];
+        }
+    }
+    return 0;
+}
+
+void cli_args_free(cli_args *a) {
+    free(a->argv);
+    free(a->is_value);
+    free(a->store);
+    memset(a, 0, sizeof *a);
+}
+
 cli_opt *cli_find(cli_command *cmd, const char *name) {
     for (int i = 0; i < cmd->n_opts; i++)
         if (strcmp(cmd->opts[i].name, name) == 0) return &cmd->opts[i];

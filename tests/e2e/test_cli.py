@@ -257,6 +257,22 @@ def test_option_values_that_look_like_options():
     assert p.returncode == 0, p.stderr
 
 
+def test_synth_and_bench_take_name_equals_value(tmp_path):
+    """synth and bench walk their own options: --name=VALUE works there too, also for a value
+    that starts with '--'."""
+    out = tmp_path / "--pack"
+    p = run_cli("synth", "--config=tiny", f"--out={out}", "--seed=5", "--no-drafter")
+    assert p.returncode == 0, p.stderr
+    q = run_cli("synth", "--config", "tiny", "--out", str(tmp_path / "b"), "--seed", "5", "--no-drafter")
+    assert q.returncode == 0, q.stderr
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    p = run_cli("bench", "--device=cpu", f"--model={out}", "--ctx=8", "--gen=2", "--repeats=1", "--no-verify-curve")
+    assert p.returncode == 0, p.stderr
+    assert "plain decode" in p.stdout
+    p = run_cli("synth", "--config=huge", f"--out={tmp_path / 'c'}")
+    assert p.returncode == 2, p.stderr
+
+
 def test_readme_lists_every_generate_and_serve_option():
     """The README's Generate and Serve sections name every option their --help lists."""
     readme = (SOURCE_DIR / "README.md").read_text()
