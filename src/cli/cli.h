@@ -74,6 +74,10 @@ typedef struct cli_args {
  * memory. */
 int cli_args_split(cli_args *out, int argc, char **argv);
 void cli_args_free(cli_args *a);
+/* Runs a command's own option walker fn on argv split by cli_args_split; fn's exit status, or
+ * CLI_EXIT_FAIL (with a message naming the command) when out of memory. */
+int cli_run_split(const char *command, int argc, char **argv,
+                  int (*fn)(int argc, char **argv, const unsigned char *is_value));
 /* Prints a usage error for cmd to stderr and returns CLI_EXIT_USAGE. */
 int cli_usage_error(const cli_command *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The option named name (for .given). */

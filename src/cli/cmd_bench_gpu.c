@@ -766,13 +766,4 @@ out:
     return rc;
 }
 
-int df_cmd_bench(int argc, char **argv) {
-    cli_args a;
-    if (cli_args_split(&a, argc, argv) != 0) {
-        fprintf(stderr, "dflash bench: out of memory\n");
-        return CLI_EXIT_FAIL;
-    }
-    const int rc = bench_main(a.argc, a.argv, a.is_value);
-    cli_args_free(&a);
-    return rc;
-}
+int df_cmd_bench(int argc, char **argv) { return cli_run_split("bench", argc, argv, bench_main); }

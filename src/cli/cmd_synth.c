@@ -128,13 +128,4 @@ static int synth_main(int argc, char **argv, const unsigned char *is_value) {
     return 0;
 }
 
-int df_cmd_synth(int argc, char **argv) {
-    cli_args a;
-    if (cli_args_split(&a, argc, argv) != 0) {
-        fprintf(stderr, "dflash synth: out of memory\n");
-        return CLI_EXIT_FAIL;
-    }
-    const int rc = synth_main(a.argc, a.argv, a.is_value);
-    cli_args_free(&a);
-    return rc;
-}
+int df_cmd_synth(int argc, char **argv) { return cli_run_split("synth", argc, argv, synth_main); }

@@ -75,6 +75,18 @@ void cli_args_free(cli_args *a) {
     memset(a, 0, sizeof *a);
 }
 
+int cli_run_split(const char *command, int argc, char **argv,
+                  int (*fn)(int argc, char **argv, const unsigned char *is_value)) {
+    cli_args a;
+    if (cli_args_split(&a, argc, argv) != 0) {
+        fprintf(stderr, "dflash %s: out of memory\n", command);
+        return CLI_EXIT_FAIL;
+    }
+    const int rc = fn(a.argc, a.argv, a.is_value);
+    cli_args_free(&a);
+    return rc;
+}
+
 cli_opt *cli_find(cli_command *cmd, const char *name) {
     for (int i = 0; i < cmd->n_opts; i++)
         if (strcmp(cmd->opts[i].name, name) == 0) return &cmd->opts[i];
