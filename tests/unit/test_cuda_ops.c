@@ -1021,6 +1021,21 @@ static void same_outputs(df_backend *be, int n, const qlin *q, int M, float *con
     }
 }
 
+/* got [M, d.rows] (linear_add of d on gate, up over the residual r0) == swiglu + linear + add
+ * computed here into ref (da: [M, d.cols], dl: [M, d.rows] device scratch; ha, hb: host). */
+static void same_as_composition(df_backend *be, const qlin *d, const float *gate, const float *up, int M,
+                                const float *r0, const float *got, float *ref, float *da, float *dl, float *ha,
+                                float *hb, const char *what) {
+    const size_t H = (size_t)d->L.rows, I = (size_t)d->L.cols;
+    be->ops->to_device(be, ref, r0, (size_t)M * H * 4);
+    be->ops->swiglu(be, gate, up, (size_t)M * I, da);
+    be->ops->linear(be, &d->L, da, M, dl);
+    be->ops->add(be, ref, dl, (size_t)M * H);
+    dget(be, ha, got, (size_t)M * H * 4);
+    dget(be, hb, ref, (size_t)M * H * 4);
+    if (memcmp(ha, hb, (size_t)M * H * 4) != 0) fail_msg("%s (M = %d) differs from swiglu + linear + add", what, M);
+}
+
 static void fused_case(df_backend *be, const char *kernel) {
     const int H = 1024, R = DF_MAX_ROWS, I = 2048;
     qlin q[4], d;
@@ -1074,14 +1089,8 @@ static void fused_case(df_backend *be, const char *kernel) {
     float *ha = malloc((size_t)R * H * 4), *hb = malloc((size_t)R * H * 4);
     for (int M = 1; M <= R; M++) {
         be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
-        be->ops->to_device(be, dr2, r0, (size_t)R * H * 4);
         be->ops->linear_add(be, &d.L, dx, du, M, dr);
-        be->ops->swiglu(be, dx, du, (size_t)M * I, da);
-        be->ops->linear(be, &d.L, da, M, dl);
-        be->ops->add(be, dr2, dl, (size_t)M * H);
-        dget(be, ha, dr, (size_t)M * H * 4);
-        dget(be, hb, dr2, (size_t)M * H * 4);
-        if (memcmp(ha, hb, (size_t)M * H * 4) != 0) fail_msg("linear_add (M = %d) differs from swiglu + linear + add", M);
+        same_as_composition(be, &d, dx, du, M, r0, dr, dr2, da, dl, ha, hb, "linear_add");
         if (M == R) {
             /* the last row alone */
             be->ops->to_device(be, dr2, r0 + (size_t)(M - 1) * H, (size_t)H * 4);
@@ -1091,9 +1100,9 @@ static void fused_case(df_backend *be, const char *kernel) {
                 fail_msg("linear_add: row %d of M = %d differs from the single-row result", M - 1, M);
         }
     }
-    /* an input preparation that follows the fixed-point launch writing its input rides along with
-     * it (the launch's last CTAs run it): linears after linear_add (RMSNorm of the residual),
-     * linear_add after linears (SwiGLU of gate and up) == the same with a kernel in between */
+    /* an input preparation right after the fixed-point launch that writes its input: linears
+     * after linear_add (RMSNorm of the residual), linear_add after linears (SwiGLU of gate and
+     * up) == the same with another kernel in between */
     qlin gu[2];
     make_linear(&gu[0], I, H, 2, 128, 1024, 0, 1);
     make_linear(&gu[1], I, H, 2, 128, 1024, 0, 1);
@@ -1109,17 +1118,10 @@ static void fused_case(df_backend *be, const char *kernel) {
         for (int i = 0; i < 4; i++) be->ops->linear(be, Ws[i], dh2, M, dz[i]);
         same_outputs(be, 4, q, M, dy, dz, hy, hz, "linears after linear_add");
         float *yg[2] = {dg, dup};
-        be->ops->to_device(be, dh2, r0, (size_t)R * H * 4);
         be->ops->to_device(be, dh, r0, (size_t)R * H * 4);
         be->ops->linears(be, dr, NULL, 1e-6f, M, H, 2, Wg, yg, NULL);
         be->ops->linear_add(be, &d.L, dg, dup, M, dh);
-        be->ops->swiglu(be, dg, dup, (size_t)M * I, da);
-        be->ops->linear(be, &d.L, da, M, dl);
-        be->ops->add(be, dh2, dl, (size_t)M * H);
-        dget(be, ha, dh, (size_t)M * H * 4);
-        dget(be, hb, dh2, (size_t)M * H * 4);
-        if (memcmp(ha, hb, (size_t)M * H * 4) != 0)
-            fail_msg("linear_add after linears (M = %d) differs from swiglu + linear + add", M);
+        same_as_composition(be, &d, dg, dup, M, r0, dh, dh2, da, dl, ha, hb, "linear_add after linears");
     }
     dfree_(be, dg);
     dfree_(be, dup);
