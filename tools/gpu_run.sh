@@ -4,7 +4,10 @@
 #     cd .gpu-work && bash tools/gpu_run.sh [steps...]
 # steps (default: info tests ops synth bench): info, tests (GPU exactness tests), ops
 # (bench_cuda_ops), synth (27B-shaped pack into /tmp/p27, about 11 GB), bench (dflash bench on
-# it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k). Library packages come from ../.gpu-deps (Debian .debs,
+# it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k),
+# trace (the kernel timeline of a decode step and of verify passes: tools/trace_report.py),
+# ab (plain decoding of VARIANTS alternating), short (final's bench at block 4 only, 3 identity
+# prompts). Library packages come from ../.gpu-deps (Debian .debs,
 # unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU machine with nvcc 13.0),
 # else built here. Logs go to $OUT.
 set -u
@@ -39,11 +42,11 @@ for s in $STEPS; do
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/summary.txt" ;;
   tests)
     for tst in test_cuda_ops test_cuda_model; do
-      timeout 200 "$TB/$tst" > "$OUT/$tst.log" 2>&1
+      timeout ${TEST_TIMEOUT:-200} "$TB/$tst" > "$OUT/$tst.log" 2>&1
       rc=$?
       echo "$tst rc=$rc" | tee -a "$OUT/summary.txt"
       grep -E "rel err|fixed point|fused|max \|delta\||greedy|speculative ==|FAILED|ERROR|Failure|differ|SKIP|PASSED|above|tolerance" "$OUT/$tst.log" | head -60 | tee -a "$OUT/summary.txt"
-      if [ $rc -ne 0 ] && [ "$tst" = test_cuda_ops ]; then
+      if [ $rc -ne 0 ] && [ "$tst" = test_cuda_ops ] && [ "${SANITIZE:-1}" = 1 ]; then
         timeout 60 compute-sanitizer --tool memcheck --print-limit 20 "$TB/$tst" > "$OUT/sanitizer.log" 2>&1
         grep -E "ERROR SUMMARY|Invalid|at .* in " "$OUT/sanitizer.log" | head -20 | tee -a "$OUT/summary.txt"
       fi
@@ -53,7 +56,9 @@ for s in $STEPS; do
   synth)
     [ -f /tmp/p27/drafter/model.safetensors ] ||
       t timeout 400 "$BIN/dflash-gpu" synth --config 27b --out /tmp/p27 --tokenizer "$ROOT/models/demo" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
-    du -sh /tmp/p27 /tmp/p27/drafter | tee -a "$OUT/summary.txt" ;;
+    du -sh /tmp/p27 /tmp/p27/drafter | tee -a "$OUT/summary.txt"
+    mkdir -p /tmp/p27t # the pack without its drafter (trace, ab)
+    for f in /tmp/p27/*; do [ "$(basename "$f")" = drafter ] || ln -sf "$f" /tmp/p27t/; done ;;
   bench)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --memory-ctx 1024,32768 --draft-quant-pass 8,4 --identity 5,200" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 16,8,4 \
@@ -62,6 +67,10 @@ for s in $STEPS; do
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 8,4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --draft-quant-pass 8,4 --identity 5,200" >> "$OUT/summary.txt"
     t timeout 420 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 8,4 \
       --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --draft-quant-pass 8,4 --identity 5,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+  short)
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200" >> "$OUT/summary.txt"
+    t timeout 200 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 \
+      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
   exp)
     for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
@@ -112,6 +121,33 @@ for s in $STEPS; do
     for v in ${VARIANTS:-X=1}; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
       env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 96 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic|per round" | tee -a "$OUT/summary.txt"
+    done ;;
+  trace)
+    # the kernel timeline in place (DFLASH_CUDA_TRACE; tools/trace_report.py): the last plain
+    # decode step, then verify passes of 1, 4, 8 and 16 rows; a pack view without the drafter
+    mkdir -p /tmp/p27t
+    for f in /tmp/p27/*; do [ "$(basename "$f")" = drafter ] || ln -sf "$f" /tmp/p27t/; done
+    i=0
+    for v in ${VARIANTS:-X=1}; do
+      i=$((i + 1))
+      echo "-- $v (untraced, then traced)" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } timeout 100 "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 1024 --gen 16 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+      timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=-3,-2 --list 700 > "$OUT/trace_${i}_plain.txt" 2>&1
+      [ "$i" = 1 ] && python3 tools/trace_report.py /tmp/trace.bin --cut 400000 /tmp/trace_tail.bin && gzip -c /tmp/trace_tail.bin > "$OUT/trace_tail.bin.gz"
+      grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_${i}_plain.txt" | tee -a "$OUT/summary.txt"
+      env ${v//,/ } DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 1024 --gen 16 --repeats 1 2>&1 | grep -E "B= ?[0-9]" | tee -a "$OUT/summary.txt"
+      timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=${TRACE_STEPS:--16,-13,-12,-9,-1} --list 1100 > "$OUT/trace_${i}_verify.txt" 2>&1
+      grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_${i}_verify.txt" | tee -a "$OUT/summary.txt"
+      rm -f /tmp/trace.bin
+    done ;;
+  ab)
+    # plain decoding of the settings in VARIANTS, alternating, AB_ROUNDS times (same-run ratios)
+    for r in $(seq 1 ${AB_ROUNDS:-3}); do
+      for v in ${VARIANTS:-X=1}; do
+        printf -- "-- %s round %s: " "$v" "$r" | tee -a "$OUT/summary.txt"
+        env ${v//,/ } timeout 100 "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+      done
     done ;;
   tune)
     for v in DFLASH_CUDA_TARGET_CTAS=264 DFLASH_CUDA_TARGET_CTAS=528 DFLASH_CUDA_OCC=3; do

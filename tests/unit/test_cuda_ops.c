@@ -661,6 +661,33 @@ static void test_copy_overlap(void **state) {
 
 /* ---- attention ---------------------------------------------------------------------------------------- */
 
+/* The attention of DF_MAX_ROWS rows (q, k: host rows; the caches already hold them) with the
+ * chunks staged in shared memory for all rows == want (the default: per row through L2 for more
+ * than one row), bit for bit; the default kernels afterwards. The M-row loop of attention_case
+ * compares the staged kernel of one row with the per-row kernel of M rows. */
+static void attention_kernels_agree(df_backend *be, const df_attn_shape *sh, float *dq, float *dk, const float *dv,
+                                    const float *q, const float *k, const float *qn, const float *kn,
+                                    const int32_t *pos, float *dkc, float *dvc, int p0, float *dout, const float *want) {
+#ifdef DFLASH_WITH_CUDA
+    const int R = DF_MAX_ROWS, qd = sh->n_heads * (sh->gated ? 2 : 1) * sh->head_dim,
+              kd = sh->n_kv_heads * sh->head_dim, od = sh->n_heads * sh->head_dim;
+    float *got = malloc((size_t)R * od * 4);
+    df_backend_cuda_set_attn_staged(be, R);
+    be->ops->to_device(be, dq, q, (size_t)R * qd * 4);
+    be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
+    be->ops->attention(be, sh, dq, dk, dv, qn, kn, pos, R, dkc, dvc, p0, dout);
+    dget(be, got, dout, (size_t)R * od * 4);
+    df_backend_cuda_set_attn_staged(be, 1);
+    gpu_ok(be, "attention (staged chunks)");
+    if (memcmp(got, want, (size_t)R * od * 4) != 0)
+        fail_msg("attention (hd %d, causal %d): the staged and per-row chunk kernels differ", sh->head_dim, sh->causal);
+    free(got);
+#else
+    (void)be, (void)sh, (void)dq, (void)dk, (void)dv, (void)q, (void)k, (void)qn, (void)kn, (void)pos, (void)dkc,
+        (void)dvc, (void)p0, (void)dout, (void)want;
+#endif
+}
+
 static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) {
     df_backend *be = g_gpu;
     const df_attn_shape sh = {.n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .rot_dims = rot,
@@ -706,6 +733,7 @@ static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) 
         }
     }
     gpu_ok(be, "attention");
+    attention_kernels_agree(be, &sh, dq, dk, dv, q, k, qn, kn, pos, dkcA, dvcA, p0, doa, oa);
     /* CPU reference for M = 16 */
     float *kc = malloc((size_t)cap * kd * 4), *vc = malloc((size_t)cap * kd * 4), *qq = malloc((size_t)R * qd * 4),
           *kk = malloc((size_t)R * kd * 4);
@@ -736,6 +764,7 @@ static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) 
     be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
     be->ops->attention(be, &nc, dq, dk, dv, qn, kn, pos, R, dkcA, dvcA, p0, doa);
     dget(be, oa, doa, (size_t)R * od * 4);
+    attention_kernels_agree(be, &nc, dq, dk, dv, q, k, qn, kn, pos, dkcA, dvcA, p0, doa, oa);
     e = rel_err(oa, oc, (size_t)R * od, 1e-2);
     printf("  non-causal: rel err vs CPU %.2e\n", e);
     assert_true(e <= 1e-4);

@@ -99,6 +99,7 @@ typedef struct cuda_backend {
     struct gentry *graphs;      /* [DF_CUDA_MAX_GRAPHS] */
     uint64_t clock;
     int use_graphs;
+    const char *trace_path; /* DFLASH_CUDA_TRACE: the timeline file written at destroy, or NULL */
     long n_steps, n_replays, n_captures;
 } cuda_backend;
 
@@ -337,9 +338,11 @@ static int choose_kw_q(int rows, int ng, int ring) {
     const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
     if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
         return atoi(force);
+    const char *cap = getenv("DFLASH_CUDA_KW_MAX"); /* experiments only: at most this many slices */
+    const int kmax = cap && atoi(cap) >= 1 && atoi(cap) <= 8 ? atoi(cap) : 8;
     const int tiles = (rows + 15) / 16;
     int kw = 1;
-    while (kw < 8 && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= 4) kw *= 2;
+    while (kw < kmax && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= 4) kw *= 2;
     return kw;
 }
 
@@ -1558,6 +1561,7 @@ static void cu_destroy(df_backend *be) {
     cuda_backend *cb = cub(be);
     if (!cb) return;
     if (cb->stream) step_run(cb);
+    if (cb->trace_path) (void)dfk_trace_dump(cb->trace_path); /* experiments only: a failed write is not reported */
     if (cb->graphs) {
         for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) graph_free(&cb->graphs[i]);
         free(cb->graphs);
@@ -1699,6 +1703,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     g_gdn_fused = !(gf && strcmp(gf, "0") == 0);
     const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64 (default), 128 positions per attention block */
     if (ach) dfk_set_attn_chunk(atoi(ach));
+    const char *qg = getenv("DFLASH_CUDA_QGRID"); /* 0: the fewest CTAs with equal units (dfk_set_q_full_grid) */
+    dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
+    const char *ast = getenv("DFLASH_CUDA_ATTN_STAGED"); /* rows per call staged at most (the same bits) */
+    dfk_set_attn_staged(ast ? atoi(ast) : 1);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;
@@ -1712,6 +1720,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
     }
+    /* experiments: the kernel timeline of the process's last steps, written to this file when
+     * the backend is destroyed (cuda_trace.cuh; tools/trace_report.py reads it) */
+    const char *trace = getenv("DFLASH_CUDA_TRACE");
+    if (trace && *trace && dfk_trace_start(23) == 0) cb->trace_path = trace;
     *out = &cb->base;
     return DF_OK;
 }
@@ -1734,11 +1746,20 @@ void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st) {
 
 void df_backend_cuda_reset_peak(df_backend *be) { cub(be)->peak = cub(be)->cur; }
 
-void df_backend_cuda_set_gdn_fused(df_backend *be, int on) {
+/* A process-wide kernel choice changed between steps: the recorded commands run first, and the
+ * captured graphs (made with the other kernels) are dropped. */
+static void set_between_steps(df_backend *be, void (*apply)(int), int on) {
     cuda_backend *cb = cub(be);
-    step_run(cb); /* commands already recorded run as they were recorded */
-    g_gdn_fused = on ? 1 : 0;
-    for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) graph_free(&cb->graphs[i]); /* captured with the other kernels */
+    step_run(cb);
+    apply(on);
+    for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) graph_free(&cb->graphs[i]);
+}
+static void gdn_fused_apply(int on) { g_gdn_fused = on ? 1 : 0; }
+
+void df_backend_cuda_set_gdn_fused(df_backend *be, int on) { set_between_steps(be, gdn_fused_apply, on); }
+
+void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows) {
+    set_between_steps(be, dfk_set_attn_staged, max_rows);
 }
 
 void df_backend_cuda_sync(df_backend *be) {

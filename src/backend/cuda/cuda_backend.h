@@ -18,7 +18,12 @@
  * memory), DFLASH_CUDA_QRING=0 (the fixed-point linear on its register kernel instead of the
  * ring kernel), DFLASH_CUDA_QRING_MAXM=N (the ring kernel only up to N rows), DFLASH_CUDA_QCTAS=N
  * (the ring kernel's grid), DFLASH_CUDA_QPERSIST=1 (the register kernel on a persistent grid),
- * DFLASH_CUDA_KW / DFLASH_CUDA_TARGET_CTAS (work split), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs).
+ * DFLASH_CUDA_KW / DFLASH_CUDA_KW_MAX / DFLASH_CUDA_TARGET_CTAS (work split), DFLASH_CUDA_QGRID=0 (the ring kernel on
+ * the fewest CTAs with equal units instead of every CTA the device holds),
+ * DFLASH_CUDA_ATTN_STAGED=N (attention chunks staged in shared memory for calls of up to N rows;
+ * default 1), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs), DFLASH_CUDA_TRACE=FILE (a timeline of the
+ * kernels of the last steps, written to FILE when the backend is destroyed: cuda_trace.cuh,
+ * tools/trace_report.py).
  *
  * The backend also provides the fused ops of backend.h (`linears`: RMSNorm + several linears
  * of one input; `linear_add`: SwiGLU + linear + residual add) with the bits of the composition.
@@ -63,6 +68,11 @@ void df_backend_cuda_sync(df_backend *be);
 /* 1 (default): the GDN conv and recurrence in one kernel; 0: two (DFLASH_CUDA_GDN_FUSED=0).
  * The same bits either way (tests compare them); process-wide, set between steps. */
 void df_backend_cuda_set_gdn_fused(df_backend *be, int on);
+
+/* Attention calls of at most max_rows rows (default 1, DFLASH_CUDA_ATTN_STAGED=N) stage each
+ * chunk in shared memory for all their rows; others read it per row through L2. The same bits
+ * either way (tests compare them); process-wide, set between steps. */
+void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows);
 
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per
  * second, GB/s). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */

@@ -19,9 +19,12 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_rowops.cuh"
+#include "backend/cuda/cuda_trace.cuh"
 
 #define FULL_MASK 0xffffffffu
 
@@ -73,10 +76,16 @@ extern "C" void dfk_set_occupancy(int v) { g_occ = v == 3 ? 3 : 2; }
  * the next kernel of the stream be scheduled at once, then wait for the previous one (its
  * writes visible) before reading anything; every load of data an earlier kernel wrote goes
  * through L2 only (__ldcg: an SM's L1 may hold a line an older, overlapping kernel cached). */
-static __device__ __forceinline__ void k_pdl_begin(void) {
+static __device__ __forceinline__ void k_pdl_begin_(unsigned site) {
+    const dfk_tr_start trs = dfk_tr_begin();
     asm volatile("griddepcontrol.launch_dependents;\n" ::);
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    dfk_tr_mark(trs, site, 0, 0);
 }
+/* k_pdl_begin at the start of a kernel: the trace record names its line */
+#define k_pdl_begin() k_pdl_begin_(DFK_TR_SITE(0))
+/* the trace record of a kernel launched without PDL (its inputs are ready at entry) */
+#define K_TR_ENTRY() dfk_tr_mark(dfk_tr_begin(), DFK_TR_SITE(0), 0, 0)
 
 /* kernel<<<grid, block, smem>>>(args) on g_stream, with PDL when it is on for every kernel
  * (dfk_set_pdl 1). */
@@ -124,6 +133,7 @@ static __device__ __forceinline__ uint32_t split_part(float x, int s) {
 
 __global__ void k_prep(const float *__restrict__ x, int cols, const float *__restrict__ signs, int hb, float hscale,
                        int gs, int seg, float *__restrict__ xf, float *__restrict__ xs, uint32_t *__restrict__ xb) {
+    K_TR_ENTRY();
     extern __shared__ float sm[];
     const int m = blockIdx.x, s0 = blockIdx.y * seg;
     const float *xr = x + (size_t)m * (size_t)cols + s0;
@@ -367,6 +377,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_mma(const uint32_t *__restric
                                                  int sb_bf16, int rows, int tiles, int ng, int kbt,
                                                  const uint2 *__restrict__ xb, const float *__restrict__ xs, int M,
                                                  int KW, float *__restrict__ y) {
+    K_TR_ENTRY();
     typedef lin_cfg<MODE, GS, NT, TR> C;
     constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP, KC = C::KC;
     __shared__ float red[8][TR * NT * 2][32];
@@ -564,6 +575,7 @@ __global__ void __launch_bounds__(256, 1) k_lin_mma_dec(const uint32_t *__restri
                                                      int ng, int kbt, const uint2 *__restrict__ xb,
                                                      const float *__restrict__ xs, int M, int KW,
                                                      float *__restrict__ y) {
+    K_TR_ENTRY();
     typedef lin_cfg<MODE, GS, 1, 1> C;
     constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP;
     extern __shared__ uint2 sxb[]; /* [kbt][24] */
@@ -829,6 +841,7 @@ __global__ void __launch_bounds__(256) k_lin_simple(const void *__restrict__ w, 
                                                     const uint16_t *__restrict__ biases, int sb_bf16, int bits,
                                                     int gs, int rows, int cols, const float *__restrict__ xf, int M,
                                                     float *__restrict__ y) {
+    K_TR_ENTRY();
     __shared__ float red[DFK_MAX_ROWS][256];
     const int row = blockIdx.x, tid = threadIdx.x;
     float acc[DFK_MAX_ROWS];
@@ -887,6 +900,7 @@ __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__re
                         const uint16_t *__restrict__ biases, int sb_bf16, int bits, int gs, const void *dense,
                         int wdtype, int rows, int cols, const float *__restrict__ signs, int hb, float hscale,
                         const int32_t *__restrict__ ids, float *__restrict__ out) {
+    K_TR_ENTRY();
     extern __shared__ float sm[];
     const int m = blockIdx.x, id = ids[m];
     float *o = out + (size_t)m * (size_t)cols;
@@ -935,6 +949,7 @@ extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const ui
 /* One block of 256 threads per row: the sum of squares of dfk_row_sumsq (cuda_rowops.cuh, the
  * order shared with the norm fused into dfk_qprep), then y = (x · inv) · w. */
 __global__ void __launch_bounds__(256) k_rmsnorm(const float *x, const float *w, int width, float eps, float *y) {
+    K_TR_ENTRY();
     __shared__ float red8[8];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
     float *yr = y + (size_t)blockIdx.x * (size_t)width;
@@ -961,11 +976,13 @@ extern "C" int dfk_rmsnorm(const float *x, const float *w, int rows, int width, 
 }
 
 __global__ void k_add(float *y, const float *x, size_t n) {
+    K_TR_ENTRY();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         y[i] = y[i] + x[i];
 }
 
 __global__ void k_swiglu(const float *gate, const float *up, size_t n, float *out) {
+    K_TR_ENTRY();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
 }
@@ -1032,6 +1049,7 @@ static __device__ void am_block(const float *xr, int lo, int hi, int step, float
 static __device__ int32_t am_result(float v, int i) { return i < 0 ? 0 : isfinite(v) ? i : -1; }
 
 __global__ void k_argmax(const float *x, int width, int32_t *out) {
+    K_TR_ENTRY();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
@@ -1049,6 +1067,7 @@ __device__ float g_am_v[DFK_MAX_ROWS * AM_PARTS];
 __device__ int g_am_i[DFK_MAX_ROWS * AM_PARTS];
 
 __global__ void __launch_bounds__(256) k_argmax_part(const float *x, int width) {
+    K_TR_ENTRY();
     __shared__ float bv[256];
     __shared__ int bi[256];
     const int row = blockIdx.y, part = blockIdx.x, tid = threadIdx.x;
@@ -1063,6 +1082,7 @@ __global__ void __launch_bounds__(256) k_argmax_part(const float *x, int width) 
 }
 
 __global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out) {
+    K_TR_ENTRY();
     __shared__ float bv[AM_PARTS];
     __shared__ int bi[AM_PARTS];
     const int row = blockIdx.x, tid = threadIdx.x;
@@ -1145,41 +1165,45 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
                     positions, k_cache, v_cache);
 }
 
-/* One block per (row m, chunk, kv head), handling the G = nh/nkv query heads of the group so
- * that each K/V row of the chunk is read once per row m (blocks of the same chunk are adjacent
- * in launch order and share it through L2). Per head: scores (a warp per position, four
- * positions at a time: lanes over d in a fixed order + xor tree), chunk max and exp-sum (fixed
- * trees), unnormalised output o[d] = Σ_t p_t v_t[d] in position order.
- * part[m, h, c] = (o[0..hd), max, sum). */
+/* Attention over the KV cache in chunks: part[m, h, c] = (o[0..hd), max, sum) of query head h
+ * of row m over chunk c (positions c·chunk .. ), then k_attn_combine merges the chunks. Per head
+ * of a KV group: scores (a warp per position, four positions at a time: lanes over d in a fixed
+ * order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
+ * o[d] = Σ_t p_t v_t[d] in position order. Two kernels compute it with the same arithmetic
+ * (attn_chunk_row), so the same bits: k_attn_part, a block per (row, chunk, KV head) reading K
+ * and V through L2; k_attn_staged, a block per (chunk, KV head) that copies the chunk's K and V
+ * rows into shared memory once (a bulk copy per row, all in flight together) and runs every row
+ * over them,
+ * one after the other. On the H200 (docs/PERFORMANCE.md) the staged kernel halves a decode
+ * step's attention (18.5 against 35 us per layer at 1k context) but its rows in sequence cost
+ * more than the per-row blocks from 2 rows on: calls of one row run it. */
 #define ATTN_MAX_G 16
 static int g_attn_chunk = 64; /* measured best at 1k context, within 8% of 128 at 32k (PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
     if (chunk == 32 || chunk == 64 || chunk == DFK_ATTN_CHUNK) g_attn_chunk = chunk;
 }
 extern "C" int dfk_attn_chunk(void) { return g_attn_chunk; }
-template <int GM>
-__global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
-                                                   const float *k_cache, const float *v_cache, float scale, int causal,
-                                                   const int32_t *pos0p, int M, int nchunk, int chunk,
-                                                   float *part) {
-    k_pdl_begin();
-    const int pos0 = __ldcg(pos0p);
-    __shared__ float sq[4096];
-    __shared__ float sc[GM][DFK_ATTN_CHUNK];
-    __shared__ float smx[GM], ssum[GM];
-    const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
-    const int len = causal ? pos0 + m + 1 : pos0 + M;
-    const int t0 = c * chunk;
-    if (t0 >= len) return;
-    const int t1 = len < t0 + chunk ? len : t0 + chunk, n = t1 - t0;
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
-        const int gi = i / hd, d = i % hd;
-        sq[i] = __ldcg(&q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
-    }
-    __syncthreads();
+/* k_attn_staged's dynamic shared memory at most (with its static scratch: within the 227 KiB of
+ * an H200 SM); larger chunks run k_attn_part */
+#define ATTN_STAGED_MAX (200 * 1024)
+static int g_attn_staged = 1; /* calls of at most this many rows run k_attn_staged */
+extern "C" void dfk_set_attn_staged(int max_rows) { g_attn_staged = max_rows > 0 ? max_rows : 0; }
+
+/* K/V element i of a chunk base: from shared memory (SM) or through L2. */
+template <bool SM>
+static __device__ __forceinline__ float attn_ld(const float *base, size_t i) {
+    if constexpr (SM) return base[i];
+    else return __ldcg(base + i);
+}
+
+/* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
+ * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
+ * part rows pr + gi·nchunk·(hd + 2) for gi < G. */
+template <int GM, bool SM>
+static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
+                                                      int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
+                                                      float *smx, float *ssum, float *pr, size_t gstride) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const size_t kstride = (size_t)nkv * (size_t)hd;
-    const float *kbase = k_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     for (int tt0 = warp; tt0 < n; tt0 += nw * 4) {
         float acc[4][GM];
 #pragma unroll
@@ -1192,7 +1216,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 #pragma unroll
             for (int p = 0; p < 4; p++) {
                 const int tt = tt0 + p * nw;
-                kv[p] = tt < n ? __ldcg(&kbase[(size_t)tt * kstride + (size_t)d]) : 0.0f;
+                kv[p] = tt < n ? attn_ld<SM>(kb, (size_t)tt * kvs + (size_t)d) : 0.0f;
             }
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) {
@@ -1233,14 +1257,13 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
         }
     }
     __syncthreads();
-    const float *vbase = v_cache + (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o[GM];
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
 #pragma unroll 16
         for (int tt = 0; tt < n; tt++) {
-            const float vv = __ldcg(&vbase[(size_t)tt * kstride + (size_t)d]);
+            const float vv = attn_ld<SM>(vb, (size_t)tt * kvs + (size_t)d);
 #pragma unroll
             for (int gi = 0; gi < GM; gi++)
                 if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
@@ -1248,16 +1271,91 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) {
             if (gi >= G) break;
-            float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)nchunk + (size_t)c) *
-                                   (size_t)(hd + 2);
-            pr[d] = o[gi];
+            pr[(size_t)gi * gstride + (size_t)d] = o[gi];
         }
     }
     if ((int)threadIdx.x < G) {
-        float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G + threadIdx.x)) * (size_t)nchunk + (size_t)c) *
-                               (size_t)(hd + 2);
-        pr[hd] = smx[threadIdx.x];
-        pr[hd + 1] = ssum[threadIdx.x];
+        pr[(size_t)threadIdx.x * gstride + (size_t)hd] = smx[threadIdx.x];
+        pr[(size_t)threadIdx.x * gstride + (size_t)hd + 1] = ssum[threadIdx.x];
+    }
+}
+
+/* Row m's q for the G heads of KV head kvh into sq (then a block barrier). */
+static __device__ __forceinline__ void attn_load_q(const float *q, int qstride, int nh, int G, int hd, int kvh, int m,
+                                                   float *sq) {
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        const int gi = i / hd, d = i % hd;
+        sq[i] = __ldcg(&q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
+    }
+    __syncthreads();
+}
+
+template <int GM>
+__global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
+                                                   const float *k_cache, const float *v_cache, float scale, int causal,
+                                                   const int32_t *pos0p, int M, int nchunk, int chunk,
+                                                   float *part) {
+    k_pdl_begin();
+    const int pos0 = __ldcg(pos0p);
+    __shared__ float sq[4096];
+    __shared__ float sc[GM][DFK_ATTN_CHUNK];
+    __shared__ float smx[GM], ssum[GM];
+    const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
+    const int len = causal ? pos0 + m + 1 : pos0 + M;
+    const int t0 = c * chunk;
+    if (t0 >= len) return;
+    const int t1 = len < t0 + chunk ? len : t0 + chunk, n = t1 - t0;
+    attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
+    const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
+    float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
+    attn_chunk_row<GM, false>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
+                              (size_t)nchunk * (size_t)(hd + 2));
+}
+
+/* Dynamic shared memory of k_attn_staged: K and V rows of a chunk, then one row's q. */
+static size_t attn_staged_smem(int chunk, int hd, int G) { return ((size_t)2 * chunk * hd + (size_t)G * hd) * 4; }
+
+template <int GM>
+__global__ void __launch_bounds__(256) k_attn_staged(const float *q, int qstride, int nh, int nkv, int hd,
+                                                     const float *k_cache, const float *v_cache, float scale,
+                                                     int causal, const int32_t *pos0p, int M, int nchunk, int chunk,
+                                                     float *part) {
+    k_pdl_begin();
+    const int pos0 = __ldcg(pos0p);
+    extern __shared__ __align__(16) float ast[];
+    __shared__ float sc[GM][DFK_ATTN_CHUNK];
+    __shared__ float smx[GM], ssum[GM];
+    __shared__ __align__(8) uint64_t kv_bar;
+    const int c = blockIdx.x, kvh = blockIdx.y, G = nh / nkv;
+    const int t0 = c * chunk, lmax = pos0 + M; /* the longest row's length (causal or not) */
+    if (t0 >= lmax) return;
+    const int nmax = (lmax < t0 + chunk ? lmax : t0 + chunk) - t0;
+    float *sk = ast, *sv = ast + (size_t)chunk * hd, *sq = ast + (size_t)2 * chunk * hd;
+    const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
+    /* one bulk copy per K or V row (hd floats), all in flight at once, on one mbarrier */
+    const uint32_t bar = (uint32_t)__cvta_generic_to_shared(&kv_bar);
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1u);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_expect(bar, (unsigned)(2 * nmax * hd * 4));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * nmax; i += blockDim.x) {
+        const int w = i >= nmax, t = w ? i - nmax : i;
+        bulk_copy((uint32_t)__cvta_generic_to_shared((w ? sv : sk) + (size_t)t * hd),
+                  (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
+    }
+    mbar_wait(bar, 0u);
+    for (int m = 0; m < M; m++) {
+        const int len = causal ? pos0 + m + 1 : lmax;
+        if (t0 >= len) continue;
+        const int n = (len < t0 + chunk ? len : t0 + chunk) - t0;
+        attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
+        float *pr =
+            part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
+        attn_chunk_row<GM, true>(sq, sk, sv, (size_t)hd, n, G, hd, scale, sc, smx, ssum, pr,
+                                 (size_t)nchunk * (size_t)(hd + 2));
+        __syncthreads(); /* sq, sc and smx are read until here */
     }
 }
 
@@ -1324,21 +1422,40 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
                              float *out) {
     const float scale = 1.0f / sqrtf((float)hd);
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
-    dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
     const int G = nh / nkv;
     int st;
-    if (G <= 2)
-        st = launch_k(k_attn_part<2>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, g_attn_chunk, part);
-    else if (G <= 4)
-        st = launch_k(k_attn_part<4>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, g_attn_chunk, part);
-    else if (G <= 8)
-        st = launch_k(k_attn_part<8>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, g_attn_chunk, part);
-    else
-        st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                      pos0, M, nchunk, g_attn_chunk, part);
+    const size_t ssm = attn_staged_smem(g_attn_chunk, hd, G);
+    if (M <= g_attn_staged && hd % 4 == 0 && ssm <= ATTN_STAGED_MAX) {
+        dim3 g1((unsigned)nchunk, (unsigned)nkv);
+        void (*kern)(const float *, int, int, int, int, const float *, const float *, float, int, const int32_t *, int,
+                     int, int, float *) = G <= 2   ? k_attn_staged<2>
+                                          : G <= 4 ? k_attn_staged<4>
+                                          : G <= 8 ? k_attn_staged<8>
+                                                   : k_attn_staged<16>;
+        static const void *raised[4];
+        const int ki = G <= 2 ? 0 : G <= 4 ? 1 : G <= 8 ? 2 : 3;
+        if (raised[ki] != (const void *)kern) {
+            st = (int)cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, ATTN_STAGED_MAX);
+            if (st) return st;
+            raised[ki] = (const void *)kern;
+        }
+        st = launch_k(kern, g1, dim3(256), ssm, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
+                      nchunk, g_attn_chunk, part);
+    } else {
+        dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
+        if (G <= 2)
+            st = launch_k(k_attn_part<2>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                          pos0, M, nchunk, g_attn_chunk, part);
+        else if (G <= 4)
+            st = launch_k(k_attn_part<4>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                          pos0, M, nchunk, g_attn_chunk, part);
+        else if (G <= 8)
+            st = launch_k(k_attn_part<8>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                          pos0, M, nchunk, g_attn_chunk, part);
+        else
+            st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                          pos0, M, nchunk, g_attn_chunk, part);
+    }
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M, (unsigned)((hd + 31) / 32));
     return launch_k(k_attn_combine, g2, dim3(256), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk,
@@ -1350,6 +1467,7 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
 /* One thread per (row t, channel): the CPU's order (per tap o: base term, then dynamic term). */
 __global__ void k_dyn_conv(const float *x, const float *dyn, int dyn_stride, const float *base, int K, int gs, int M,
                            int H, float *out) {
+    K_TR_ENTRY();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)M * (size_t)H) return;
     const int t = (int)(i / (size_t)H), ch = (int)(i % (size_t)H), G = H / gs;
@@ -1719,6 +1837,64 @@ extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int n
 }
 
 /* ---- copy bandwidth ------------------------------------------------------------------------- */
+
+/* ---- timeline trace -------------------------------------------------------------------------- */
+
+static dfk_trace_rec *g_tr_host_buf;
+static unsigned *g_tr_host_ctr;
+static unsigned g_tr_host_cap;
+
+static int trace_bind(dfk_trace_rec *buf, unsigned *ctr, unsigned mask) {
+    int st = dfk_tr_bind_here(buf, ctr, mask);
+    if (!st) st = dfk_trace_bind_qlin(buf, ctr, mask);
+    return st;
+}
+
+extern "C" int dfk_trace_start(int log2_records) {
+    if (log2_records < 10 || log2_records > 24) return (int)cudaErrorInvalidValue;
+    if (g_tr_host_buf) return 0;
+    const unsigned cap = 1u << log2_records;
+    void *b = NULL, *c = NULL;
+    int st = (int)cudaMalloc(&b, (size_t)cap * sizeof(dfk_trace_rec));
+    if (!st) st = (int)cudaMalloc(&c, sizeof(unsigned));
+    if (!st) st = (int)cudaMemset(c, 0, sizeof(unsigned));
+    if (!st) st = trace_bind((dfk_trace_rec *)b, (unsigned *)c, cap - 1);
+    if (st) {
+        cudaFree(b);
+        cudaFree(c);
+        return st;
+    }
+    g_tr_host_buf = (dfk_trace_rec *)b;
+    g_tr_host_ctr = (unsigned *)c;
+    g_tr_host_cap = cap;
+    return 0;
+}
+
+extern "C" int dfk_trace_dump(const char *path) {
+    if (!g_tr_host_buf) return 0;
+    unsigned n = 0;
+    int st = (int)cudaDeviceSynchronize();
+    if (!st) st = (int)cudaMemcpy(&n, g_tr_host_ctr, sizeof(n), cudaMemcpyDeviceToHost);
+    const unsigned cap = g_tr_host_cap, count = n < cap ? n : cap, first = n < cap ? 0 : n & (cap - 1);
+    dfk_trace_rec *h = st ? NULL : (dfk_trace_rec *)malloc((size_t)cap * sizeof(dfk_trace_rec));
+    if (!st && !h) st = -1;
+    if (!st) st = (int)cudaMemcpy(h, g_tr_host_buf, (size_t)cap * sizeof(dfk_trace_rec), cudaMemcpyDeviceToHost);
+    if (!st) {
+        FILE *f = fopen(path, "wb");
+        const uint32_t hdr[2] = {count, (uint32_t)sizeof(dfk_trace_rec)};
+        int ok = f && fwrite("DFTRACE1", 1, 8, f) == 8 && fwrite(hdr, sizeof(hdr), 1, f) == 1;
+        for (unsigned i = 0; ok && i < count; i++) ok = fwrite(&h[(first + i) & (cap - 1)], sizeof(*h), 1, f) == 1;
+        if (f && fclose(f) != 0) ok = 0;
+        if (!ok) st = -1;
+    }
+    free(h);
+    trace_bind(NULL, NULL, 0);
+    cudaFree(g_tr_host_buf);
+    cudaFree(g_tr_host_ctr);
+    g_tr_host_buf = NULL;
+    g_tr_host_ctr = NULL;
+    return st;
+}
 
 extern "C" int dfk_copy_bandwidth(size_t bytes, int reps, double *gbps) {
     void *a = NULL, *b = NULL;

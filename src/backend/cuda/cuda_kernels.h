@@ -188,6 +188,10 @@ void dfk_set_qsmem_max(size_t bytes);
  * DeltaNet kernels with programmatic dependent launch (default); 2: the first group only (an
  * experiment); 0: none. */
 void dfk_set_pdl(int on);
+/* Grid shape of the fixed-point linears' persistent launches: 1 (default) every CTA the device
+ * holds at once, units split as evenly as they go; 0 the fewest CTAs that give each the same
+ * number of units. Which CTA runs a unit never changes its bits. */
+void dfk_set_q_full_grid(int on);
 /* The dfk_set_pdl setting. */
 int dfk_pdl_on(void);
 /* The stream of the launchers (dfk_set_stream). */
@@ -279,6 +283,35 @@ int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, 
  * invariance). */
 void dfk_set_attn_chunk(int chunk);
 int dfk_attn_chunk(void);
+/* Calls of at most max_rows rows (default 1; 0: none) stage each attention chunk's K and V rows
+ * in shared memory once for all their rows (k_attn_staged); others read them per (row, chunk)
+ * block through L2 (k_attn_part). The same arithmetic, so the same bits for any choice.
+ * Process-wide; set between steps. */
+void dfk_set_attn_staged(int max_rows);
+
+/* ---- timeline trace (experiments: DFLASH_CUDA_TRACE) ----------------------------------------- */
+
+/* One record of the kernel timeline (cuda_trace.cuh): the launch (%gridid), the global timer
+ * (ns; 32 ns ticks on the H200) and the SM's cycle counter when it was written, the cycles since the CTA began,
+ * the source line that wrote it (kernels file + 0, fixed-point file + 10000), its kind (0:
+ * inputs ready, 1: end of the CTA's work), the SM and CTA, and a kernel-defined count (the
+ * fixed-point linear's end: the launch's weight bytes / 1024). 40 bytes. */
+typedef struct {
+    uint64_t grid, gtime, clk;
+    uint32_t dclk;
+    uint16_t site, kind, sm, cta;
+    uint32_t aux;
+} dfk_trace_rec;
+
+/* Starts recording into a ring of 2^log2_records records (device memory; log2_records 10..24)
+ * in every traced kernel of both kernel files. Returns 0 or a CUDA error. */
+int dfk_trace_start(int log2_records);
+/* Writes the ring's records, oldest first, to `path`: a 16-byte header ("DFTRACE1", the
+ * record count as uint32, the record size as uint32), then the records. Stops recording and
+ * frees the ring. Returns 0, a CUDA error, or -1 when the file cannot be written. */
+int dfk_trace_dump(const char *path);
+/* Points the fixed-point file's copies of the trace pointers at buf/ctr (NULL: off). */
+int dfk_trace_bind_qlin(dfk_trace_rec *buf, unsigned *ctr, unsigned mask);
 
 /* ---- misc ----------------------------------------------------------------------------------- */
 

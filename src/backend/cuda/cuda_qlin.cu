@@ -27,6 +27,7 @@
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_rowops.cuh"
+#include "backend/cuda/cuda_trace.cuh"
 
 #define QFULL 0xffffffffu
 
@@ -44,6 +45,10 @@ static __device__ __forceinline__ float q_h16(uint32_t h, int bf16) {
  * (never written after upload) use the read-only path. */
 static __device__ __forceinline__ void pdl_wait(void) { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 static __device__ __forceinline__ void pdl_trigger(void) { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+
+extern "C" int dfk_trace_bind_qlin(dfk_trace_rec *buf, unsigned *ctr, unsigned mask) {
+    return dfk_tr_bind_here(buf, ctr, mask);
+}
 
 static int g_pdl = 1;
 extern "C" void dfk_set_pdl(int on) { g_pdl = on == 2 ? 2 : (on ? 1 : 0); }
@@ -223,8 +228,10 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
                                                float *h, const __grid_constant__ qprep_args P) {
     extern __shared__ float sm[];
     __shared__ float red[8];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z, tid = threadIdx.x;
     const float *xr = x + (size_t)m * (size_t)cols;
     const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
@@ -392,8 +399,10 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
                                                     int cols, int seg, float *h, const __grid_constant__ qprep_args P) {
     __shared__ float red[8];
     __shared__ float xs[1024];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     q_prep_block(x, up, norm_w, eps, cols, seg, h, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red, xs);
 }
 
@@ -777,6 +786,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
     constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, GP = C::GP;
     __shared__ float red[8][TR * NT * 2][32];
     extern __shared__ __align__(16) unsigned char qsm[];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
     const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
@@ -799,6 +809,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
         preloaded = true;
     }
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     int staged = -1;
     for (int u = u_begin; u < u_end; u++) {
         const int di = q_unit_lin(P, u);
@@ -1186,6 +1197,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     constexpr int QS = R::QS, SLOT = R::SLOT;
     __shared__ float red[8][NT * 2][32];
     extern __shared__ __align__(16) unsigned char qsm[];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
     const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
@@ -1203,6 +1215,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
         cp_async_commit();
     }
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     int staged = -1, di = 0;
     uint32_t caddr = ring0;
     q_issue_launch<BITS, GS> iss{P, ic, u_end, warp, lane, g};
@@ -1246,29 +1259,6 @@ template <int NT>
 struct qb_ns {
     static constexpr int N = NT == 1 ? QB_NS : 3;
 };
-
-static __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-static __device__ __forceinline__ void mbar_expect(uint32_t bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-/* bytes (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
- * completing on mbarrier bar. */
-static __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
 
 /* Lane 0's copy cursor: the next records of the warp's runs over the CTA's units [.., u_end). */
 struct qb_cur {
@@ -1386,6 +1376,7 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
     constexpr int KBG = C::KBG, WPL = C::WPL;
     __shared__ float red[8][NT * 2][32];
     extern __shared__ __align__(128) unsigned char qsm[];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, cta = (int)blockIdx.x;
     const int u_begin = (int)(((long long)cta * U) / G), u_end = (int)(((long long)(cta + 1) * U) / G);
@@ -1409,6 +1400,7 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
             qb_issue<BITS, GS>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur);
     }
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     int staged = -1, di = 0, stage = 0;
     unsigned parity = 0;
     const int M = P.M;
@@ -1476,6 +1468,12 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
         }
         q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
     }
+    if (threadIdx.x == 0 && g_tr_buf) { /* trace: the units' end; aux = the launch's weight KiB */
+        size_t wb = 0;
+        for (int i = 0; i < P.n; i++)
+            wb += (size_t)P.d[i].rows * (size_t)P.d[i].cols * BITS / 8 + (size_t)P.d[i].rows * (P.d[i].cols / GS) * 4;
+        dfk_tr_mark(trs, DFK_TR_SITE(10000), 1, (unsigned)(wb >> 10));
+    }
     /* the dense linears riding along: their rows over the CTAs, after the units (the bits of
      * k_lin_dense) */
     if (P.dn.n > 0) {
@@ -1516,6 +1514,12 @@ extern "C" void dfk_set_qsmem_max(size_t bytes) { g_qsmem_max = bytes; }
 #define Q_SMEM_MAX (100 * 1024)
 
 static int g_q_sms = 132, g_q_persist = 0, g_q_prefetch = 1;
+/* 1 (default): persistent grids of g_q_sms x CTAs per SM (units split by c·U/G); 0: the fewest
+ * CTAs that give every CTA the same number of units, which leaves SMs with fewer CTAs than
+ * others (dfk_set_q_full_grid; H200: plain decoding 166.8 against 163.0 tok/s, verify passes
+ * 1-2% faster, docs/PERFORMANCE.md) */
+static int g_q_full_grid = 1;
+extern "C" void dfk_set_q_full_grid(int on) { g_q_full_grid = on != 0; }
 extern "C" void dfk_set_q_prefetch(int on) { g_q_prefetch = on ? 1 : 0; }
 extern "C" void dfk_set_q_sm_count(int n) { g_q_sms = n > 0 ? n : 132; }
 extern "C" void dfk_set_q_persistent(int on) { g_q_persist = on ? 1 : 0; }
@@ -1576,6 +1580,7 @@ static int q_occupancy(K kern, size_t smem, q_occ &c) {
 static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
     unsigned blocks = P.ctas > 0 ? (unsigned)P.ctas : (unsigned)(g_q_sms * per_sm);
     if (blocks > units) blocks = units;
+    if (g_q_full_grid) return blocks; /* every SM's share of CTAs: CTAs run floor or ceil of U/G units */
     const unsigned per = (units + blocks - 1) / blocks;
     return (units + per - 1) / per;
 }
@@ -1756,6 +1761,7 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
 /* One block (256 threads) per output row of one linear of the launch (dense_row). */
 __global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaunch P) {
     __shared__ float red[DFK_MAX_ROWS][8];
+    const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     int di = 0;
     while (di + 1 < P.n && (int)blockIdx.x >= P.start[di + 1]) di++;
@@ -1763,6 +1769,7 @@ __global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaun
     uint4 wq[2];
     dense_preload(P.d[di], row, wq);
     pdl_wait();
+    dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     dense_row(P.d[di], row, P.M, wq, red);
 }
 
