@@ -52,6 +52,10 @@ df_status df_tokenizer_load_json(df_tokenizer **out, const char *json, size_t le
 /* Frees a tokenizer (NULL is fine). */
 void df_tokenizer_free(df_tokenizer *tok);
 
+/* Offset of the first byte of s[0..n) that is not part of valid UTF-8 (n when the text is
+ * valid; overlong forms, surrogates and values past U+10FFFF are invalid). */
+size_t df_utf8_invalid_at(const char *s, size_t n);
+
 /* Encodes len bytes of UTF-8 text; no special tokens are added around it. Added tokens in the
  * text are recognised; with parse_special == 0 those marked `special: true` (<|im_start|>,
  * <|endoftext|>, ...) are not, and are encoded as plain text instead, like tokenizers'

@@ -11,6 +11,55 @@
 #include "cli/cli.h"
 #include "server/openai.h"
 
+/* A request file whose numbers the JSON parser cannot hold: its text as the server would read
+ * it (a bare list of messages wrapped as {"messages": ...}), so that the error names the field
+ * and its range as the server's does; any "model" is accepted. */
+static int read_raw_request(const char *cmd, const char *path, int vocab, df_api_request *req) {
+    enum { PRE = 13 }; /* room for {"messages": before the text, and } after it */
+    FILE *f = fopen(path, "rb");
+    size_t len = 0, cap = 65536;
+    char *text = f ? malloc(cap) : NULL;
+    int ok = text != NULL;
+    while (ok) {
+        if (PRE + len + 2 >= cap) {
+            char *t = realloc(text, cap * 2);
+            if (!t) {
+                ok = 0;
+                break;
+            }
+            text = t;
+            cap *= 2;
+        }
+        const size_t got = fread(text + PRE + len, 1, cap - PRE - len - 2, f);
+        if (got == 0) break;
+        len += got;
+    }
+    if (f && ferror(f)) ok = 0;
+    if (f) fclose(f);
+    if (!ok) {
+        free(text);
+        cli_error(cmd, "%s: cannot read the file", path);
+        return -1;
+    }
+    size_t i = 0;
+    while (i < len && (text[PRE + i] == ' ' || text[PRE + i] == '\t' || text[PRE + i] == '\r' || text[PRE + i] == '\n'))
+        i++;
+    char *body = text + PRE;
+    if (i < len && text[PRE + i] == '[') { /* {"messages": [...]} */
+        memcpy(text, "{\"messages\": ", PRE);
+        body = text;
+        len += PRE;
+        body[len++] = '}';
+    }
+    df_api_context ctx = {.model_id = NULL, .vocab = vocab, .max_top_logprobs = 20};
+    df_api_error e;
+    const int rc = df_api_request_parse(req, DF_API_CHAT, body, len, &ctx, &e);
+    if (rc && e.param[0]) cli_error(cmd, "%s: %s (param %s)", path, e.message, e.param);
+    else if (rc) cli_error(cmd, "%s: %s", path, e.message);
+    free(text);
+    return rc;
+}
+
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab, df_api_request *req) {
     struct stat sb;
     if (stat(path, &sb) != 0) {
@@ -23,6 +72,8 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
     }
     json_error_t je;
     json_t *root = json_load_file(path, JSON_DECODE_ANY, &je);
+    if (!root && (strstr(je.text, "too big") || strstr(je.text, "real number overflow")))
+        return read_raw_request(cmd, path, vocab, req); /* names the field and its range */
     if (!root) {
         if (je.line < 0) cli_error(cmd, "%s: %s", path, je.text);
         else if (strstr(je.text, "JSON_ALLOW_NUL"))

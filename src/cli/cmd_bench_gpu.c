@@ -34,6 +34,7 @@
 #include "dflash/engine.h"
 #include "dflash/generate.h"
 #include "dflash/speculative.h"
+#include "decode/textout.h"
 #include "model/target.h"
 #ifdef DFLASH_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -199,7 +200,10 @@ static int32_t *make_prompt(int n, int vocab) {
 
 /* Plain greedy: prefill + gen tokens with the device argmax; returns ids (malloc'd, gen of them)
  * and the decode time of tokens 2..gen in *ms. */
-static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen, double *prefill_ms, double *ms,
+/* Greedy plain decoding of gen tokens after a ctx-token prompt: the ids (an EOS id ends the run;
+ * the ids after it are -1), *n the ids generated, the prefill time and the mean step time. NULL
+ * with err set on failure (DF_ERR_NUMERIC for non-finite logits). */
+static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen, double *prefill_ms, double *ms, int *n_out,
                           df_error *err) {
     df_engine *e = s->eng;
     const int V = df_engine_vocab_size(e);
@@ -216,18 +220,27 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
     if (df_session_prefill(s, prompt, ctx, lg, err) != DF_OK) goto fail;
     double t1 = df_now_ms();
     out[0] = df_argmax(lg, V);
+    if (out[0] < 0) {
+        df_gen_non_finite(err, 0);
+        goto fail;
+    }
     int n = 1;
     for (; n < gen; n++) {
         if (df_engine_is_eos(e, out[n - 1])) break;
         int32_t id = out[n - 1];
         if (df_target_forward_argmax(s, &id, 1, &out[n], err) != DF_OK) goto fail;
+        if (out[n] < 0) {
+            df_gen_non_finite(err, n);
+            goto fail;
+        }
     }
     sync_dev(e);
     double t2 = df_now_ms();
     *prefill_ms = t1 - t0;
     *ms = (t2 - t1) / (double)(n > 1 ? n - 1 : 1);
     free(lg);
-    if (n < gen) out[n] = -1;
+    for (int i = n; i < gen; i++) out[i] = -1;
+    *n_out = n;
     return out;
 fail:
     free(lg);
@@ -305,8 +318,8 @@ static const char BENCH_HELP[] =
     "  --repeats N                  samples per median, >= 1 (default: 7)\n"
     "  --block B[,B...]             draft blocks of the synthetic-acceptance runs, 2..16 (default: 16)\n"
     "  --synthetic-acceptance TAU   tokens per round to simulate, > 1 (repeatable; default: none)\n"
-    "  --memory-ctx N[,N...]        contexts of the peak-memory measurement (default: none)\n"
-    "  --window N                   drafter context window (default: 4096)\n"
+    "  --memory-ctx N[,N...]        contexts of the peak-memory measurement, >= 1 (default: none)\n"
+    "  --window N                   drafter context window, >= 1 (default: 4096)\n"
     "  --threads N                  CPU threads (default: all)\n"
     "  --no-verify-curve            skip t(B)/t(1) for B = 1..16\n"
     "  --draft-quant-pass BITS,...  also time the drafter pass with 8/4-bit weights (default: none)\n"
@@ -451,6 +464,9 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     if (o.ctx < 1) return usage_error("%s", "--ctx must be >= 1");
     if (o.gen < 2) return usage_error("%s", "--gen must be >= 2");
     if (o.repeats < 1) return usage_error("%s", "--repeats must be >= 1");
+    if (o.window < 1) return usage_error("%s", "--window must be >= 1");
+    for (int i = 0; i < o.n_mem; i++)
+        if (o.mem_ctx[i] < 1) return usage_error("%s", "--memory-ctx takes contexts >= 1");
     if (o.threads < 0 || o.threads > 4096) return usage_error("%s", "--threads must lie within 0..4096 (0: all CPUs)");
     if (strcmp(o.device, "cuda") != 0 && strcmp(o.device, "cpu") != 0)
         return usage_error("--device must be cuda or cpu (got %s)", o.device);
@@ -526,17 +542,18 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
 
     /* plain decode vs the floor (a first run captures the steps' graphs; the second is timed) */
     double prefill_ms = 0, step_ms = 0;
-    plain = plain_run(s, prompt, o.ctx, o.gen, &prefill_ms, &step_ms, &err);
+    int n_plain = 0;
+    plain = plain_run(s, prompt, o.ctx, o.gen, &prefill_ms, &step_ms, &n_plain, &err);
     if (!plain) goto out;
     free(plain);
     cuda_stats_mark(e);
-    plain = plain_run(s, prompt, o.ctx, o.gen, &prefill_ms, &step_ms, &err);
+    plain = plain_run(s, prompt, o.ctx, o.gen, &prefill_ms, &step_ms, &n_plain, &err);
     if (!plain) goto out;
     double wb, sb, kvb;
     step_bytes(pk, o.ctx, &wb, &sb, &kvb);
     printf("prefill: %d tokens in %.1f ms = %.1f tok/s\n", o.ctx, prefill_ms, o.ctx * 1000.0 / prefill_ms);
-    printf("plain decode at context %d: %.3f ms/token = %.1f tok/s (%d tokens, device argmax)\n", o.ctx, step_ms,
-           1000.0 / step_ms, o.gen);
+    printf("plain decode at context %d: %.3f ms/token = %.1f tok/s (%d tokens%s, device argmax)\n", o.ctx, step_ms,
+           1000.0 / step_ms, n_plain, n_plain < o.gen ? ": an EOS id ended the run" : "");
     cuda_stats_print(e, "  ");
     if (bw > 0) {
         double bytes = wb + sb + kvb, floor_ms = bytes / (bw * 1e9) * 1000.0;
@@ -647,7 +664,7 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
         }
 
         /* speed at synthetic acceptance */
-        const int ngen = plain[o.gen - 1] < 0 ? 0 : o.gen;
+        const int ngen = n_plain < o.gen ? 0 : o.gen;
         if (o.n_taus && ngen == 0) printf("speed at synthetic acceptance: skipped (the plain run hit an EOS id)\n");
         for (int ti = 0; ti < o.n_taus && ngen; ti++) {
             for (int bi = 0; bi < o.n_blocks; bi++) {
@@ -661,7 +678,8 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                 gp.max_tokens = o.gen;
                 /* plain decoding again, just before: the machine's speed drifts over minutes */
                 double pf_ms = 0, near_ms = 0;
-                int32_t *again = plain_run(s, prompt, o.ctx, o.gen, &pf_ms, &near_ms, &err);
+                int n_again = 0;
+                int32_t *again = plain_run(s, prompt, o.ctx, o.gen, &pf_ms, &near_ms, &n_again, &err);
                 if (!again) goto out;
                 free(again);
                 df_gen_result res;

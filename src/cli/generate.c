@@ -148,8 +148,15 @@ int cmd_generate(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
         return cli_usage_error(&cmd, "--device must be cpu or cuda");
-    for (int i = 0; i < stop.n; i++)
+    for (int i = 0; i < stop.n; i++) {
         if (!stop.items[i][0]) return cli_usage_error(&cmd, "--stop: a stop string cannot be empty");
+        const size_t len = strlen(stop.items[i]), bad = df_utf8_invalid_at(stop.items[i], len);
+        if (bad < len) return cli_usage_error(&cmd, "--stop: the stop string is not valid UTF-8 (byte %zu)", bad);
+    }
+    if (prompt) {
+        const size_t len = strlen(prompt), bad = df_utf8_invalid_at(prompt, len);
+        if (bad < len) return cli_usage_error(&cmd, "--prompt: the text is not valid UTF-8 (byte %zu)", bad);
+    }
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
     if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;
@@ -204,6 +211,10 @@ int cmd_generate(int argc, char **argv) {
         }
         if (df_chat_build(&cs, req.root, req.tool_choice, req.tool_name, 1, &built, &err)) {
             cli_error("generate", "%s", err.msg);
+            goto done;
+        }
+        if (built.n_ids == 0) { /* a broken pack, not a bad option */
+            cli_error("generate", "the pack's chat template rendered an empty prompt");
             goto done;
         }
         ids = built.ids;

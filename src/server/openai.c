@@ -867,7 +867,7 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
         type_error(e, "model", "a string", model);
         goto done;
     }
-    if (model && strcmp(json_string_value(model), ctx->model_id) != 0) {
+    if (model && ctx->model_id && strcmp(json_string_value(model), ctx->model_id) != 0) {
         df_api_error_set(e, 404, INVALID, "model_not_found", "model",
                          "The model '%.128s' does not exist; this server serves '%.128s'.", json_string_value(model),
                          ctx->model_id);

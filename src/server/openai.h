@@ -38,7 +38,7 @@ typedef enum df_api_route {
 
 /* What validation needs to know about the served model. */
 typedef struct df_api_context {
-    const char *model_id;                      /* a request's "model" must equal it (404) */
+    const char *model_id;                      /* a request's "model" must equal it (404); NULL: any */
     const df_generation_defaults *gen_defaults; /* for omitted sampling fields (may be NULL) */
     int vocab;                                 /* logit_bias keys must be < vocab (the model's) */
     int prompt_vocab;                          /* prompt ids must be < prompt_vocab (tokens the tokenizer knows); 0: vocab */

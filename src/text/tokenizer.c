@@ -1137,6 +1137,8 @@ static df_status encode_stretch(enc *e, const char *s, size_t n, int parse_speci
     return st;
 }
 
+size_t df_utf8_invalid_at(const char *s, size_t n) { return n ? u8_first_invalid((const unsigned char *)s, n) : 0; }
+
 df_status df_tokenizer_encode(const df_tokenizer *tok, const char *text, size_t len, int parse_special,
                               int32_t **ids, size_t *n_ids, df_error *err) {
     *ids = NULL;

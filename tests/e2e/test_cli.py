@@ -558,3 +558,46 @@ def test_messages_file_sampling_fields_apply(tmp_path):
     assert len(out["ids"]) <= 3
     p2 = run_cli("generate", *model_args(), "--messages", str(req), "--max-tokens", "5", "--json", check=True)
     assert len(json.loads(p2.stdout)["ids"]) <= 5
+
+
+def test_bench_plain_run_ended_by_eos(tmp_path):
+    """An EOS id that ends bench's plain run is reported, and the synthetic-acceptance runs (which
+    replay the plain run's ids) are skipped rather than fed ids past its end."""
+    p = run_cli("bench", "--device", "cpu", *model_args(), "--ctx", "16", "--gen", "120", "--repeats", "1",
+                "--no-verify-curve", "--drafter", DRAFTER, "--synthetic-acceptance", "2")
+    assert p.returncode == 0, p.stderr
+    ended = "an EOS id ended the run" in p.stdout
+    assert ended == ("skipped (the plain run hit an EOS id)" in p.stdout), p.stdout
+    if not ended:
+        assert "tokens identical to plain: yes" in p.stdout
+    # non-finite logits: the message of generate, not an id out of range
+    p = run_cli("bench", "--device", "cpu", "--model", nan_pack(tmp_path / "nan"), "--ctx", "8", "--gen", "4",
+                "--repeats", "1", "--no-verify-curve")
+    assert p.returncode == 1
+    assert "non-finite logits" in p.stderr, p.stderr
+
+
+def test_invalid_utf8_text_options_are_usage_errors():
+    """--prompt, --stop and tokenize's --text must be UTF-8, as --chat: exit 2 naming the option."""
+    bad = "a\udcbf\udcbdb"  # the bytes a, 0xBF, 0xBD, b (not UTF-8)
+    for args in (["generate", *model_args(), "--prompt", bad], ["generate", *model_args(), "--prompt", "hi", "--stop", bad],
+                 ["tokenize", *model_args(), "--text", bad]):
+        p = subprocess.run([DFLASH_BIN, *args], capture_output=True, timeout=60, env=base_env())
+        assert p.returncode == 2, (args, p.stderr)
+        opt = next(a for a in args if a in ("--prompt", "--stop", "--text") and args[args.index(a) + 1] == bad)
+        assert f"{opt}: the text".encode() in p.stderr or b"not valid UTF-8" in p.stderr, p.stderr
+
+
+def test_messages_file_number_out_of_range_names_the_field(tmp_path):
+    """A number past the JSON parser's range in a --messages file is reported as the server does:
+    the field and its range, not a bare parse error."""
+    f = tmp_path / "m.json"
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999999999999999999}')
+    p = run_cli("generate", *model_args(), "--messages", str(f))
+    assert p.returncode == 1
+    assert "max_tokens" in p.stderr, p.stderr
+    f.write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}, '
+                 '{"role": "user", "content": "y", "n": 1e999}]')
+    p = run_cli("generate", *model_args(), "--messages", str(f), "--max-tokens", "2")
+    assert p.returncode in (0, 1), p.stderr
+    assert "invalid JSON" not in p.stderr, p.stderr
