@@ -4,6 +4,7 @@
 #include "dflash/speculative.h"
 
 #include <errno.h>
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -176,7 +177,10 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         double x = strtod(v, &end);
         if (errno || end == v || *end || !isfinite(x)) return bad_value(cmd, o, v, "expected a number");
         if (!in_range(o, x)) return range_error(cmd, o, v);
-        *(float *)o->dest = (float)x;
+        float f = (float)x;
+        /* above an open lower bound, a value float32 rounds onto the bound is the next float */
+        if (o->kind == CLI_FLOAT_GT && f <= (float)o->lo) f = o->lo == 0 ? FLT_MIN : nextafterf((float)o->lo, INFINITY);
+        *(float *)o->dest = f;
         return 0;
     }
     case CLI_FLAG:

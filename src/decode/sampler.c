@@ -1,6 +1,7 @@
 /* Token sampling (include/dflash/generate.h): greedy argmax, or temperature with top-k,
  * top-p (nucleus, Holtzman et al. 2019) and min-p filters, drawn from a seeded
  * xoshiro256** generator (Blackman & Vigna) so that the same seed gives the same output. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,12 @@ void df_sampling_apply_processors(const df_sampling_params *p, float *logits, in
                 int32_t id = lists[l][i];
                 if (id < 0 || id >= n_vocab || seen[id]) continue;
                 seen[id] = 1;
-                logits[id] = logits[id] > 0.0f ? logits[id] / p->repetition_penalty : logits[id] * p->repetition_penalty;
+                float v = logits[id] > 0.0f ? logits[id] / p->repetition_penalty : logits[id] * p->repetition_penalty;
+                /* a penalty near 0 sends a positive logit past the float range: the largest finite
+                 * value keeps it first without making the logits non-finite */
+                if (v > FLT_MAX) v = FLT_MAX;
+                else if (v < -FLT_MAX) v = -FLT_MAX;
+                logits[id] = v;
             }
         free(seen);
     }

@@ -7,6 +7,7 @@
 #include "server/openai.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -141,6 +142,9 @@ static int get_number(const json_t *obj, const char *key, const char *param, dou
                                 lo_open ? ">" : ">=", lo, hi, big ? big : got);
     }
     *out = (float)x;
+    /* above an open lower bound, a value that float32 rounds down onto the bound is taken as the
+     * next float (the smallest normal one above 0): a tiny top_p still means nearly greedy */
+    if (lo_open && *out <= (float)lo) *out = lo == 0 ? FLT_MIN : nextafterf((float)lo, INFINITY);
     return 0;
 }
 

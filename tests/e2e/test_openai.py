@@ -170,6 +170,18 @@ def test_seed_reproducible_streamed_and_not(server):
     assert assemble(events)[1] == (a["choices"][0]["message"]["content"] or "")
 
 
+def test_tiny_top_p_and_repetition_penalty(server):
+    """Values in range that float32 rounds to 0: top_p stays nearly greedy (never off), and a
+    repetition penalty near 0 keeps the logits finite (no 500 blaming the model)."""
+    body = {"messages": msgs("hi hi hi hi"), "max_tokens": 8}
+    greedy, _ = chat(server.url, {**body, "temperature": 0})
+    tiny, _ = chat(server.url, {**body, "temperature": 2, "seed": 42, "top_p": 1e-300})
+    assert tiny["choices"][0]["message"] == greedy["choices"][0]["message"]
+    for rp in (1e-40, 1e-46):
+        r, _ = chat(server.url, {**body, "temperature": 0, "repetition_penalty": rp})
+        assert r["choices"][0]["finish_reason"] in ("stop", "length"), r
+
+
 # ---- reasoning ------------------------------------------------------------------------------
 
 def test_reasoning_split_forced(server):

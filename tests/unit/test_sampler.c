@@ -2,6 +2,7 @@
  * penalties, logit bias and logprobs. */
 #include "support.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -85,6 +86,15 @@ static void test_processors(void **state) {
     assert_true(fabsf(l[3] - 10.0f) < 1e-6f);             /* bias */
     assert_true(fabsf(l[4] - 0.5f) < 1e-6f);              /* untouched */
     assert_true(fabsf(l[5] - (1.5f - 0.5f - 0.25f)) < 1e-6f);
+    /* a penalty near 0 keeps the logits finite: a seen positive logit becomes the largest float */
+    float t[3] = {5.0f, -1.0f, 0.5f}; /* 5 / FLT_MIN is past FLT_MAX */
+    df_sampling_params q = df_sampling_default();
+    q.repetition_penalty = FLT_MIN;
+    int32_t seen[2] = {0, 1};
+    df_sampling_apply_processors(&q, t, 3, seen, 2, NULL, 0);
+    assert_true(t[0] == FLT_MAX);
+    assert_true(isfinite(t[1]) && t[1] < 0.0f);
+    assert_true(t[2] == 0.5f);
 }
 
 static void test_token_info(void **state) {

@@ -2,6 +2,7 @@
  * validation (df_api_request_parse) and chat prompt preparation (df_chat_build: tool_choice,
  * untrusted text never becoming a special token). The full server is tested end to end in
  * tests/e2e. */
+#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,6 +198,15 @@ static void test_request_validation(void **state) {
     }
     assert_int_equal(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"model\": \"other\"}", &req, &e), -1);
     assert_int_equal(e.status, 404);
+    /* above an open bound of 0, values float32 rounds to 0 are the smallest normal float, never
+     * 0 (which would turn top_p off) */
+    assert_int_equal(parse("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_p\": 1e-300, "
+                           "\"repetition_penalty\": 1e-46}",
+                           &req, &e),
+                     0);
+    assert_true(req.gen.sampling.top_p == FLT_MIN);
+    assert_true(req.gen.sampling.repetition_penalty == FLT_MIN);
+    df_api_request_free(&req);
 }
 
 /* Numbers the JSON parser cannot hold (past 64-bit integers or doubles) and integral reals past
