@@ -465,6 +465,8 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     if (o.gen < 2) return usage_error("%s", "--gen must be >= 2");
     if (o.repeats < 1) return usage_error("%s", "--repeats must be >= 1");
     if (o.window < 1) return usage_error("%s", "--window must be >= 1");
+    if ((o.model && !o.model[0]) || (o.drafter && !o.drafter[0]))
+        return usage_error("%s", "--model and --drafter take a folder, not an empty path");
     for (int i = 0; i < o.n_mem; i++)
         if (o.mem_ctx[i] < 1) return usage_error("%s", "--memory-ctx takes contexts >= 1");
     if (o.threads < 0 || o.threads > 4096) return usage_error("%s", "--threads must lie within 0..4096 (0: all CPUs)");

@@ -107,6 +107,10 @@ static int synth_main(int argc, char **argv, const unsigned char *is_value) {
         fprintf(stderr, "dflash synth: --out DIR is required\n");
         return usage();
     }
+    if (!o.out_dir[0] || (o.tokenizer_dir && !o.tokenizer_dir[0])) {
+        fprintf(stderr, "dflash synth: --out and --tokenizer take a folder, not an empty path\n");
+        return usage();
+    }
     char tokdir[4096];
     if (!o.tokenizer_dir) { /* $DFLASH_MODEL, else the embedded demo model */
         const char *env = getenv("DFLASH_MODEL");

@@ -134,6 +134,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     errno = 0;
     switch (o->kind) {
     case CLI_STR:
+        if (!v[0] && o->metavar && (!strcmp(o->metavar, "DIR") || !strcmp(o->metavar, "FILE")))
+            return bad_value(cmd, o, v, "expected a path, got an empty one");
         *(const char **)o->dest = v;
         return 0;
     case CLI_LIST: {

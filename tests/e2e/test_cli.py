@@ -601,3 +601,15 @@ def test_messages_file_number_out_of_range_names_the_field(tmp_path):
     p = run_cli("generate", *model_args(), "--messages", str(f), "--max-tokens", "2")
     assert p.returncode in (0, 1), p.stderr
     assert "invalid JSON" not in p.stderr, p.stderr
+
+
+def test_empty_paths_are_usage_errors():
+    """An empty folder or file value is a malformed value (exit 2), never resolved against / or
+    the current directory."""
+    for args in (["generate", "--model", "", "--prompt", "hi"], ["generate", *model_args(), "--drafter", "",
+                 "--prompt", "hi"], ["tokenize", "--tokenizer", "", "--text", "hi"],
+                 ["generate", *model_args(), "--messages", ""], ["bench", "--device", "cpu", "--model", ""],
+                 ["synth", "--out", ""]):
+        p = run_cli(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert "empty" in p.stderr, (args, p.stderr)
