@@ -48,11 +48,8 @@ df_status df_engine_load(df_engine **out, const char *dir, const df_engine_optio
     }
     char path[4096];
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    st = df_tokenizer_load(&e->tok, path, err);
-    if (st != DF_OK) {
-        df_error_prefix(err, "tokenizer.json");
-        goto fail;
-    }
+    st = df_tokenizer_load(&e->tok, path, err); /* its errors name the file */
+    if (st != DF_OK) goto fail;
     st = backend_create(&e->be, opt, err);
     if (st != DF_OK) goto fail;
     *out = e;

@@ -15,10 +15,12 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
 #include <pcre2.h>
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <utf8proc.h>
 
 /* ---------------------------------------------------------------------------------------- */
@@ -698,7 +700,12 @@ df_status df_tokenizer_load_json(df_tokenizer **out, const char *json, size_t le
 df_status df_tokenizer_load(df_tokenizer **out, const char *path, df_error *err) {
     *out = NULL;
     FILE *f = fopen(path, "rb");
-    if (!f) return df_error_set(err, DF_ERR_IO, "%s: cannot open", path);
+    if (!f) return df_error_set(err, DF_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        fclose(f);
+        return df_error_set(err, DF_ERR_IO, "%s: is a folder, not a tokenizer.json file", path);
+    }
     char *buf = NULL;
     size_t n = 0, cap = 0;
     for (;;) {

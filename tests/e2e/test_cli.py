@@ -613,3 +613,17 @@ def test_empty_paths_are_usage_errors():
         p = run_cli(*args)
         assert p.returncode == 2, (args, p.stderr)
         assert "empty" in p.stderr, (args, p.stderr)
+
+
+def test_tokenizer_errors_name_the_file_once(tmp_path):
+    """A missing tokenizer.json is named once, with the reason; a folder given as --tokenizer is
+    called a folder."""
+    pack = tmp_path / "pack"
+    shutil.copytree(model_dir() or SOURCE_DIR / "models" / "demo", pack, ignore=shutil.ignore_patterns("reference*"))
+    (pack / "tokenizer.json").unlink()
+    p = run_cli("generate", "--model", str(pack), "--prompt", "hi")
+    assert p.returncode == 1
+    assert p.stderr.count("tokenizer.json") == 1 and "No such file" in p.stderr, p.stderr
+    p = run_cli("tokenize", "--tokenizer", str(tmp_path), "--text", "hi")
+    assert p.returncode == 1
+    assert "is a folder" in p.stderr, p.stderr
