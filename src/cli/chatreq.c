@@ -17,24 +17,14 @@
 static int read_raw_request(const char *cmd, const char *path, int vocab, df_api_request *req) {
     enum { PRE = 13 }; /* room for {"messages": before the text, and } after it */
     FILE *f = fopen(path, "rb");
-    size_t len = 0, cap = 65536;
-    char *text = f ? malloc(cap) : NULL;
-    int ok = text != NULL;
-    while (ok) {
-        if (PRE + len + 2 >= cap) {
-            char *t = realloc(text, cap * 2);
-            if (!t) {
-                ok = 0;
-                break;
-            }
-            text = t;
-            cap *= 2;
-        }
-        const size_t got = fread(text + PRE + len, 1, cap - PRE - len - 2, f);
-        if (got == 0) break;
-        len += got;
+    struct stat sb;
+    char *text = NULL;
+    size_t len = 0;
+    int ok = f && fstat(fileno(f), &sb) == 0 && (text = malloc((size_t)sb.st_size + PRE + 2)) != NULL;
+    if (ok) {
+        len = fread(text + PRE, 1, (size_t)sb.st_size, f);
+        ok = !ferror(f) && len == (size_t)sb.st_size;
     }
-    if (f && ferror(f)) ok = 0;
     if (f) fclose(f);
     if (!ok) {
         free(text);
