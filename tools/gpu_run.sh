@@ -167,7 +167,7 @@ for s in $STEPS; do
     grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncud.log" | head -80 | tee -a "$OUT/summary.txt" ;;
   ncusrc)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    timeout 300 "$NCU" --clock-control none --kernel-name regex:k_lin_qr --launch-skip 2 --launch-count 1 \
+    timeout 300 "$NCU" --clock-control none --kernel-name regex:${NCU_KERNELS:-k_lin_qb} --launch-skip 2 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --import-source no --page source --csv --print-source sass \
       "$BIN/bench_cuda_ops" --quant-only --shape "${NCU_SHAPE:-mlp gate}" --iters 2 > "$OUT/ncusrc.csv" 2> "$OUT/ncusrc.err"
     wc -l "$OUT/ncusrc.csv" | tee -a "$OUT/summary.txt"; head -3 "$OUT/ncusrc.csv" | cut -c1-600 ;;

@@ -1707,6 +1707,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
     const char *ast = getenv("DFLASH_CUDA_ATTN_STAGED"); /* rows per call staged at most (the same bits) */
     dfk_set_attn_staged(ast ? atoi(ast) : 1);
+    const char *qsh = getenv("DFLASH_CUDA_QSHALLOW"); /* 0: 3 ring stages for 5..8 rows always */
+    dfk_set_q_shallow(!(qsh && strcmp(qsh, "0") == 0));
+    const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
+    dfk_set_q_diag(qdg ? atoi(qdg) : 0);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;

@@ -192,6 +192,12 @@ void dfk_set_pdl(int on);
  * holds at once, units split as evenly as they go; 0 the fewest CTAs that give each the same
  * number of units. Which CTA runs a unit never changes its bits. */
 void dfk_set_q_full_grid(int on);
+/* 1 (default): launches of 5..8 rows whose 3-stage rings leave one CTA per SM take 2-stage rings
+ * when that fits two; 0: always 3. The ring depth never changes the bits. */
+void dfk_set_q_shallow(int on);
+/* Timing experiments of the bulk-copy fixed-point linear (0 = none, the default): bits 1 and 2
+ * skip the arithmetic and the scale/bias copies (wrong outputs: timing only). */
+void dfk_set_q_diag(int bits);
 /* The dfk_set_pdl setting. */
 int dfk_pdl_on(void);
 /* The stream of the launchers (dfk_set_stream). */

@@ -466,6 +466,8 @@ struct qlaunch {
     int kwl[DFK_QMAX]; /* log2 of each linear's KW */
     int ring_off; /* k_lin_qr, k_lin_qb: byte offset of the rings in dynamic shared memory */
     int bulk;     /* 1: k_lin_qb where the input copy fits (dfk_qsched.bulk) */
+    int diag;     /* timing experiments of k_lin_qb (dfk_set_q_diag): 2 = no
+                     arithmetic, 4 = no scale/bias copies (wrong outputs) */
     dlaunch dn;   /* dense linears riding along (k_lin_qb: their rows after the CTA's units; the
                      other kernels launch them first, as k_lin_dense); dn.n = 0: none */
 };
@@ -1289,13 +1291,42 @@ static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int
     typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL> B;
     if (c.u >= u_end) return;
     const int n = c.left < QB_C ? c.left : QB_C;
-    mbar_expect(bar, (unsigned)(n * (B::CB + 64)));
+    const bool sb = !(P.diag & 4);
+    mbar_expect(bar, (unsigned)(n * (B::CB + (sb ? 64 : 0))));
     bulk_copy(stage, c.codes, (unsigned)(n * B::CB), bar);
-    bulk_copy(stage + (uint32_t)(QB_C * B::CB), c.sb, (unsigned)(n * 64), bar);
+    if (sb) bulk_copy(stage + (uint32_t)(QB_C * B::CB), c.sb, (unsigned)(n * 64), bar);
     c.codes += n * B::CB;
     c.sb += n * 64;
     c.left -= n;
     if (c.left == 0) qb_cur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, c);
+}
+
+/* Thread tid of nthr copies its share of linear L's prepared input into shared memory at qsm:
+ * nq 16-byte words of planes, then ne (2^E, S·2^E) pairs. The loads of four rounds are issued
+ * before their stores (the input was just written by the previous kernel: one L2 round trip
+ * per four rounds). */
+static __device__ __forceinline__ void qb_copy_input(const dfk_qlin &L, int nq, int ne, unsigned char *qsm, int tid,
+                                                     int nthr) {
+    const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
+    uint4 *sq = reinterpret_cast<uint4 *>(qsm);
+    float2 *se = reinterpret_cast<float2 *>(qsm + (size_t)nq * 16);
+    constexpr int R = 4;
+    for (int i0 = tid; i0 < nq || i0 < ne; i0 += R * nthr) {
+        uint4 v[R];
+        float2 es[R];
+#pragma unroll
+        for (int k = 0; k < R; k++) {
+            const int i = i0 + k * nthr;
+            if (i < nq) v[k] = __ldcg(gq + i);
+            if (i < ne) es[k] = make_float2(__ldcg(L.xe + i), __ldcg(L.xsx + i));
+        }
+#pragma unroll
+        for (int k = 0; k < R; k++) {
+            const int i = i0 + k * nthr;
+            if (i < nq) sq[i] = v[k];
+            if (i < ne) se[i] = es[k];
+        }
+    }
 }
 
 /* The prepared input of linear L in shared memory at qsm (once per linear: staged holds the key
@@ -1307,11 +1338,7 @@ static __device__ __forceinline__ void qb_stage_input(const dfk_qlin &L, int M, 
     const int ng = L.cols / gs;
     const int nq = M * 2 * L.cols / 16, ne = M * ng;
     __syncthreads(); /* the previous linear's copy may still be read */
-    const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
-    uint4 *sq = reinterpret_cast<uint4 *>(qsm);
-    for (int i = threadIdx.x; i < nq; i += 256) sq[i] = __ldcg(gq + i);
-    float2 *se = reinterpret_cast<float2 *>(qsm + (size_t)nq * 16);
-    for (int i = threadIdx.x; i < ne; i += 256) se[i] = make_float2(__ldcg(L.xe + i), __ldcg(L.xsx + i));
+    qb_copy_input(L, nq, ne, qsm, threadIdx.x, 256);
     __syncthreads();
     staged = key;
 }
@@ -1366,14 +1393,83 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
     sbv = *reinterpret_cast<const uint2 *>(stp + C * CB + r * 64 + g * 8);
 }
 
-/* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
- * then at P.ring_off the rings and barriers (qbulk::BYTES). */
-template <int BITS, int GS, int NT, int SBF>
-__global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
+/* The steps of one warp (wt: its index among the 8 warps of its unit) in a unit of linear L of
+ * k_lin_qb: nj records through the warp's ring (stages at ring0, barriers at bar0;
+ * stage and parity: the ring's cursor), their groups' terms summed into yv in order (zeroed
+ * first). Lane 0 refills each stage once read, by issue(stage address, barrier address). zero:
+ * the byte offset of the zero record in qsm. */
+template <int BITS, int GS, int NT, int SBF, int NS, class Iss>
+static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const dfk_qlin &L, int kwl, int wt, int lane,
+                                                     int nj, const unsigned char *qsm, uint32_t smem0, uint32_t ring0,
+                                                     uint32_t bar0, uint32_t zero, int &stage, unsigned &parity,
+                                                     float (&yv)[1][NT][2], Iss issue) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    constexpr int NS = qb_ns<NT>::N;
     typedef qbulk<C::WPL, NS> B;
     constexpr int KBG = C::KBG, WPL = C::WPL;
+    const int M = P.M, KW = 1 << kwl, kw = wt & (KW - 1), ng = L.cols / GS, g = lane >> 2, t = lane & 3;
+    /* this lane's fragment addresses at group kw and their steps per record (0 for data
+     * rows >= M: the zero record) */
+    const uint32_t es0 = (uint32_t)(M * 2 * L.cols);
+    uint32_t ba[NT], ea[NT], bst[NT], est[NT]; /* byte offsets in qsm */
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t;
+        ba[nt] = m < M ? (uint32_t)((((m * 2 + p) * ng + kw) * 4 + t) * (KBG / 2) * 16) : zero;
+        bst[nt] = m < M ? (uint32_t)(KW * 4 * (KBG / 2) * 16) : 0u;
+        ea[nt] = mt < M ? es0 + (uint32_t)((mt * ng + kw) * 8) : zero;
+        est[nt] = mt < M ? (uint32_t)(KW * 8) : 0u;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) yv[0][nt][0] = yv[0][nt][1] = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < nj; j += QB_C) {
+        const int n = nj - j < QB_C ? nj - j : QB_C;
+        const uint32_t st = ring0 + (uint32_t)(stage * B::STAGE), bar = bar0 + (uint32_t)(8 * stage);
+        mbar_wait(bar, parity);
+        const unsigned char *stp = qsm + (st - smem0);
+        if (P.diag & 2) {
+            /* timing experiment: the copies only */
+        } else if (n == QB_C) {
+            /* a full stage: every step's loads first, then the groups in order (the MMA chains of
+             * different steps overlap; the sums into yv keep their order) */
+            uint32_t bq[QB_C][NT][KBG][2], w[QB_C][1][WPL];
+            float e[QB_C][NT], sx[QB_C][NT];
+            uint2 sbv[QB_C][1];
+#pragma unroll
+            for (int r = 0; r < QB_C; r++)
+                qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq[r], e[r], sx[r], w[r][0],
+                                           sbv[r][0]);
+#pragma unroll
+            for (int r = 0; r < QB_C; r++) q_mma_group<BITS, GS, NT, 1>(w[r], sbv[r], bq[r], e[r], sx[r], SBF, yv);
+        } else {
+#pragma unroll 1
+            for (int r = 0; r < n; r++) {
+                uint32_t bq[NT][KBG][2], w[1][WPL];
+                float e[NT], sx[NT];
+                uint2 sbv[1];
+                qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq, e, sx, w[0], sbv[0]);
+                q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
+            }
+        }
+        /* the stage is read: lane 0 refills it with the run's next records */
+        __syncwarp();
+        if (lane == 0) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            issue(st, bar);
+        }
+        if (++stage == NS) {
+            stage = 0;
+            parity ^= 1u;
+        }
+    }
+}
+
+/* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
+ * then at P.ring_off the rings and barriers (qbulk::BYTES). */
+template <int BITS, int GS, int NT, int SBF, int NS>
+__global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
+    typedef qcfg<BITS, GS, NT, 1> C;
+    typedef qbulk<C::WPL, NS> B;
     __shared__ float red[8][NT * 2][32];
     extern __shared__ __align__(128) unsigned char qsm[];
     const dfk_tr_start trs = dfk_tr_begin();
@@ -1412,60 +1508,9 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
         const bool tvalid[1] = {tile0 < tiles};
         const int nj = (tvalid[0] && kw < ng) ? (ng - kw + KW - 1) >> kwl : 0;
         qb_stage_input(L, M, GS, qsm, di, staged);
-        /* this lane's fragment addresses at group kw and their steps per record (0 for data
-         * rows >= M: the zero record) */
-        const uint32_t es0 = (uint32_t)(M * 2 * L.cols);
-        uint32_t ba[NT], ea[NT], bst[NT], est[NT]; /* byte offsets in qsm */
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t;
-            ba[nt] = m < M ? (uint32_t)((((m * 2 + p) * ng + kw) * 4 + t) * (KBG / 2) * 16) : zero;
-            bst[nt] = m < M ? (uint32_t)(KW * 4 * (KBG / 2) * 16) : 0u;
-            ea[nt] = mt < M ? es0 + (uint32_t)((mt * ng + kw) * 8) : zero;
-            est[nt] = mt < M ? (uint32_t)(KW * 8) : 0u;
-        }
         float yv[1][NT][2];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) yv[0][nt][0] = yv[0][nt][1] = 0.0f;
-#pragma unroll 1
-        for (int j = 0; j < nj; j += QB_C) {
-            const int n = nj - j < QB_C ? nj - j : QB_C;
-            const uint32_t st = ring0 + (uint32_t)(stage * B::STAGE), bar = bar0 + (uint32_t)(8 * stage);
-            mbar_wait(bar, parity);
-            const unsigned char *stp = qsm + (st - smem0);
-            if (n == QB_C) {
-                /* a full stage: every step's loads first, then the groups in order (the MMA
-                 * chains of different steps overlap; the sums into yv keep their order) */
-                uint32_t bq[QB_C][NT][KBG][2], w[QB_C][1][WPL];
-                float e[QB_C][NT], sx[QB_C][NT];
-                uint2 sbv[QB_C][1];
-#pragma unroll
-                for (int r = 0; r < QB_C; r++)
-                    qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq[r], e[r], sx[r], w[r][0],
-                                               sbv[r][0]);
-#pragma unroll
-                for (int r = 0; r < QB_C; r++) q_mma_group<BITS, GS, NT, 1>(w[r], sbv[r], bq[r], e[r], sx[r], SBF, yv);
-            } else {
-#pragma unroll 1
-                for (int r = 0; r < n; r++) {
-                    uint32_t bq[NT][KBG][2], w[1][WPL];
-                    float e[NT], sx[NT];
-                    uint2 sbv[1];
-                    qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq, e, sx, w[0], sbv[0]);
-                    q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
-                }
-            }
-            /* the stage is read: lane 0 refills it with the run's next records */
-            __syncwarp();
-            if (lane == 0) {
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                qb_issue<BITS, GS>(P, u_end, warp, st, bar, cur);
-            }
-            if (++stage == NS) {
-                stage = 0;
-                parity ^= 1u;
-            }
-        }
+        qb_unit_steps<BITS, GS, NT, SBF, NS>(P, L, kwl, warp, lane, nj, qsm, smem0, ring0, bar0, zero, stage, parity, yv,
+                                             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS>(P, u_end, warp, st, bar, cur); });
         q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
     }
     if (threadIdx.x == 0 && g_tr_buf) { /* trace: the units' end; aux = the launch's weight KiB */
@@ -1490,6 +1535,7 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
         }
     }
 }
+
 
 template <int BITS, int GS, int NT, int TR>
 static int launch_q(const qlaunch &P, unsigned blocks);
@@ -1585,23 +1631,52 @@ static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
     return (units + per - 1) / per;
 }
 
+/* The dynamic shared memory of a k_lin_qb launch with NS ring stages (in: the input copy's
+ * bytes, rounded up to 128) and its kernel. */
+template <int BITS, int GS, int NT, int NS>
+static size_t qb_smem(size_t in) {
+    return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS>::BYTES; /* the zero record in the last 64 bytes before the rings */
+}
+template <int BITS, int GS, int NT, int NS>
+static void (*qb_kernel(int sb_bf16))(qlaunch) {
+    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS> : k_lin_qb<BITS, GS, NT, 0, NS>;
+}
+
 /* k_lin_qb on a persistent grid (q_grid), when the input copy fits in shared memory beside the
- * rings; returns 0 (and launches nothing) when it does not. */
+ * rings; returns 0 (and launches nothing) when it does not. Two n-tiles (5..8 rows) take 3 ring
+ * stages, or 2 where that lets two CTAs share an SM instead of one (8 rows of 5120 columns: the
+ * ring depth never changes the arithmetic; dfk_set_q_shallow). */
+static int g_q_shallow = 1;
+static int g_q_diag = 0;
+extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 6; }
+extern "C" void dfk_set_q_shallow(int on) { g_q_shallow = on != 0; }
 template <int BITS, int GS, int NT>
 static int launch_qb(qlaunch P, unsigned units, int *st) {
-    typedef qbulk<qcfg<BITS, GS, NT, 1>::WPL, qb_ns<NT>::N> B;
+    constexpr int NS = qb_ns<NT>::N;
     size_t in = 0;
     for (int i = 0; i < P.n; i++) {
         const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
         if (b > in) in = b;
     }
     in = (in + 127) & ~(size_t)127;
-    const size_t smem = in + 128 + B::BYTES; /* the zero record in the last 64 bytes before the rings */
+    size_t smem = qb_smem<BITS, GS, NT, NS>(in);
     if (smem > QR_SMEM_MAX || in > g_qsmem_max) return 0;
     P.ring_off = (int)(in + 128);
-    void (*kern)(qlaunch) = P.sb_bf16 ? k_lin_qb<BITS, GS, NT, 1> : k_lin_qb<BITS, GS, NT, 0>;
-    static q_occ occ[2];
-    const int per_sm = q_occupancy(kern, smem, occ[P.sb_bf16 ? 1 : 0]);
+    void (*kern)(qlaunch) = qb_kernel<BITS, GS, NT, NS>(P.sb_bf16);
+    static q_occ occ[2], occ2[2];
+    int per_sm = q_occupancy(kern, smem, occ[P.sb_bf16 ? 1 : 0]);
+    if constexpr (NT == 2) {
+        if (per_sm < 2 && g_q_shallow) {
+            const size_t smem2 = qb_smem<BITS, GS, NT, 2>(in);
+            void (*kern2)(qlaunch) = qb_kernel<BITS, GS, NT, 2>(P.sb_bf16);
+            const int per2 = q_occupancy(kern2, smem2, occ2[P.sb_bf16 ? 1 : 0]);
+            if (per2 > per_sm) {
+                kern = kern2;
+                smem = smem2;
+                per_sm = per2;
+            }
+        }
+    }
     *st = launch_pdl(kern, dim3(q_grid(P, units, per_sm)), dim3(256), smem, P);
     return 1;
 }
@@ -1730,6 +1805,7 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
     P.ctas = sched.ctas;
     P.bulk = sched.bulk;
     P.dn = dn;
+    P.diag = g_q_diag;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
