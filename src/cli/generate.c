@@ -310,15 +310,16 @@ int cmd_generate(int argc, char **argv) {
         fflush(stdout);
         double pms = res.prompt_ms, dms = res.decode_ms;
         if (res.finish == DF_FINISH_CANCELLED && res.n_ids == 0) /* during the prefill: part of the prompt */
-            fprintf(stderr, "dflash: prompt of %d tokens: prefill cancelled after %.1f ms; generated 0 tokens; finish: %s%s\n",
-                    res.n_prompt, pms, df_finish_reason_name(res.finish), speculative ? " (speculative)" : "");
+            fprintf(stderr, "dflash: prompt of %d token%s: prefill cancelled after %.1f ms; generated 0 tokens; finish: %s%s\n",
+                    res.n_prompt, res.n_prompt == 1 ? "" : "s", pms, df_finish_reason_name(res.finish),
+                    speculative ? " (speculative)" : "");
         else
             fprintf(stderr,
-                    "dflash: prompt %d tokens in %.1f ms (%.1f tok/s); generated %d tokens in %.1f ms (%.1f tok/s); "
+                    "dflash: prompt %d token%s in %.1f ms (%.1f tok/s); generated %d token%s in %.1f ms (%.1f tok/s); "
                     "finish: %s%s\n",
-                    res.n_prompt, pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0, res.n_ids, dms,
-                    df_decode_tokens_per_second(res.n_ids - 1, dms), df_finish_reason_name(res.finish),
-                    speculative ? " (speculative)" : "");
+                    res.n_prompt, res.n_prompt == 1 ? "" : "s", pms, pms > 0 ? res.n_prompt * 1e3 / pms : 0.0,
+                    res.n_ids, res.n_ids == 1 ? "" : "s", dms, df_decode_tokens_per_second(res.n_ids - 1, dms),
+                    df_finish_reason_name(res.finish), speculative ? " (speculative)" : "");
         rc = CLI_EXIT_OK;
     }
     if (stats && speculative && res.draft_rounds > 0) {

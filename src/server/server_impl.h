@@ -104,6 +104,8 @@ struct df_server_stream {
     int draft_rounds, draft_n, draft_accepted, plain_steps;
     double draft_ms, verify_ms; /* speculative rounds: drafter and verify passes, wall time */
     char note[160];               /* error summary for the log */
+    int stream_error;             /* status of the error that ended a started stream (its client
+                                   * got 200, then an error event); 0: none */
 };
 
 void df_job_unref(df_job *j);

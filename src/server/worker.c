@@ -304,17 +304,21 @@ static void finish_job(df_job *j, int status) {
 }
 
 /* Ends a job with an error: a JSON error body (with its HTTP status), or an error event in a
- * stream that has started (its 200 went out). */
+ * stream that has started (its 200 went out: the log and the metrics say 200, with the error's
+ * status in the note, and count the error). */
 static void fail_job(df_job *j, int status, const char *type, const char *code, const char *msg) {
     df_api_error e;
     df_api_error_set(&e, status, type, code, NULL, "%s", msg);
-    snprintf(j->note, sizeof j->note, "%s", msg);
     if (j->req.stream && j->started) {
+        snprintf(j->note, sizeof j->note, "error event %d: %s", status, msg);
+        j->stream_error = status;
         sse_json(j, df_api_error_json(&e));
-    } else {
-        json_decref(j->body);
-        j->body = df_api_error_json(&e);
+        finish_job(j, 200);
+        return;
     }
+    snprintf(j->note, sizeof j->note, "%s", msg);
+    json_decref(j->body);
+    j->body = df_api_error_json(&e);
     if (status == 503) j->retry_after = 1;
     finish_job(j, status);
 }
@@ -566,7 +570,7 @@ void df_job_log_end(df_job *j, int status) {
     m->verify_seconds += j->verify_ms / 1000.0;
     if (j->speculative) m->speculative++;
     else m->plain++;
-    if (status >= 400 && status != 499) m->errors++;
+    if ((status >= 400 && status != 499) || j->stream_error) m->errors++;
     if (status == 499) m->cancelled++;
     if (j->decoded_tokens > 0) m->last_tps = tps;
     m->gen_seconds += (j->prompt_ms + j->decode_ms) / 1000.0;

@@ -477,6 +477,12 @@ def test_non_finite_logits_are_an_engine_error(tmp_path):
         # the end lines name the real outcome, never finish=length
         ends = [l for l in log.splitlines() if " 500 " in l and "completion=" in l]
         assert ends and all("finish=error" in l for l in ends), ends
+        # the stream's client got 200 and then the error event: its end line says both
+        streamed = [l for l in log.splitlines() if "POST /v1/completions 200" in l]
+        assert streamed and "error event 500: " in streamed[-1] and "finish=error" in streamed[-1], streamed
+        errors = [l for l in requests.get(s.url + "/metrics", timeout=10).text.splitlines()
+                  if l.startswith("dflash_errors_total ")]
+        assert errors and float(errors[0].split()[1]) == 4, errors   # 3 answers + 1 stream
         check_clean_exit(s)
 
 
