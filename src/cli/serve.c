@@ -157,7 +157,8 @@ int cmd_serve(int argc, char **argv) {
     if (api_key && !api_key[0]) api_key = NULL;
     if (!host[0]) return cli_usage_error(&cmd, "--host is empty");
     if (!api_key && !df_server_host_is_loopback(host))
-        return cli_usage_error(&cmd, "listening on '%s' (not a loopback address) requires --api-key", host);
+        return cli_usage_error(&cmd, "listening on '%s' (not a loopback address) requires a non-empty --api-key "
+                                     "(or $DFLASH_API_KEY)", host);
     if (model_id && !model_id[0]) return cli_usage_error(&cmd, "--model-id is empty");
     char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;

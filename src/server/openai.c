@@ -136,7 +136,11 @@ static int get_number(const json_t *obj, const char *key, const char *param, dou
     double x = big ? 0 : json_number_value(v);
     if (big || !isfinite(x) || x < lo || (lo_open && x == lo) || x > hi) {
         char got[32];
-        snprintf(got, sizeof got, "%g", x);
+        /* the shortest text that reads back as the value: 2.0000001 is not "2" */
+        for (int prec = 6; prec <= 17; prec++) {
+            snprintf(got, sizeof got, "%.*g", prec, x);
+            if (strtod(got, NULL) == x) break;
+        }
         return df_api_error_set(e, 400, INVALID, "invalid_value", param,
                                 "Invalid '%s': expected a value %s %g and <= %g, but got %s instead.", param,
                                 lo_open ? ">" : ">=", lo, hi, big ? big : got);
@@ -404,8 +408,8 @@ static int parse_tools(df_api_request *req, df_api_error *e) {
     }
     if (req->tool_choice >= DF_TOOL_CHOICE_REQUIRED && !req->tools)
         return df_api_error_set(e, 400, INVALID, "invalid_value", "tool_choice",
-                                "Invalid 'tool_choice': '%s' needs a non-empty 'tools' list.",
-                                req->tool_choice == DF_TOOL_CHOICE_NAMED ? "a named function" : "required");
+                                "Invalid 'tool_choice': %s needs a non-empty 'tools' list.",
+                                req->tool_choice == DF_TOOL_CHOICE_NAMED ? "a named function" : "'required'");
     if (req->tool_choice == DF_TOOL_CHOICE_NAMED) {
         int found = 0;
         json_array_foreach(req->tools, i, t) {

@@ -117,7 +117,36 @@ void df_server_log(const df_server *srv, const char *fmt, ...) {
 /* A printable copy of an untrusted string for the log. */
 static void printable(const char *in, char *out, size_t cap) {
     size_t o = 0;
-    for (; in && *in && o + 1 < cap; in++) out[o++] = (*in >= 0x20 && *in < 0x7f) ? *in : '?';
+    const unsigned char *p = (const unsigned char *)in;
+    while (p && *p && o + 1 < cap) {
+        if (*p >= 0x20 && *p < 0x7f) {
+            out[o++] = (char)*p++;
+            continue;
+        }
+        /* a well-formed UTF-8 sequence of a character from U+00A0 on is kept whole (when it
+         * fits); control characters and stray bytes become '?' */
+        const int n = *p >= 0xf0 && *p <= 0xf4 ? 4 : (*p >= 0xe0 ? 3 : (*p >= 0xc2 ? 2 : 0));
+        uint32_t cp = n == 4 ? (*p & 0x07u) : (n == 3 ? (*p & 0x0fu) : (*p & 0x1fu));
+        int ok = n > 0 && *p < 0xf5;
+        for (int k = 1; ok && k < n; k++) {
+            if ((p[k] & 0xc0) != 0x80) ok = 0;
+            else cp = (cp << 6) | (p[k] & 0x3fu);
+        }
+        if (ok && (cp < 0xa0 || (n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+                   (cp >= 0xd800 && cp <= 0xdfff) || cp == 0x200e || cp == 0x200f || (cp >= 0x2028 && cp <= 0x202e) ||
+                   (cp >= 0x2066 && cp <= 0x2069)))
+            ok = 0; /* also line separators and direction marks, which could disguise a line */
+        if (!ok) {
+            out[o++] = '?';
+            p++;
+        } else if (o + (size_t)n + 1 <= cap) {
+            memcpy(out + o, p, (size_t)n);
+            o += (size_t)n;
+            p += n;
+        } else {
+            break;
+        }
+    }
     out[o] = 0;
 }
 
@@ -356,7 +385,6 @@ static df_job *job_new(df_server *srv, df_route_label route, const df_http_reque
     j->srv = srv;
     j->route = route;
     j->client_fd = -1;
-    j->seq = atomic_fetch_add(&srv->seq, 1) + 1;
     j->created = time(NULL);
     clock_gettime(CLOCK_MONOTONIC, &j->t0);
     printable(req->client ? req->client : "-", j->client, sizeof j->client);
@@ -436,13 +464,16 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
     }
     int n_ctx = df_session_max_ctx(srv->session);
     for (int i = 0; i < j->n_prompts; i++) {
+        char param[32] = "messages"; /* which prompt, when there are several */
+        if (r->route != DF_API_CHAT) {
+            if (j->n_prompts > 1) snprintf(param, sizeof param, "prompt[%d]", i);
+            else snprintf(param, sizeof param, "prompt");
+        }
         if (j->n_ids[i] == 0)
-            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value",
-                                    r->route == DF_API_CHAT ? "messages" : "prompt",
+            return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
                                     "The prompt is empty after tokenization.");
         if (j->n_ids[i] >= n_ctx) {
-            df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error",
-                             r->route == DF_API_CHAT ? "messages" : "prompt",
+            df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
                              "The request exceeds the available context size: the prompt has %d tokens and the "
                              "context holds %d (at least one more is needed for the completion).",
                              j->n_ids[i], n_ctx);
@@ -469,9 +500,11 @@ static void log_arrival(df_server *srv, const df_job *j) {
     int total = 0;
     for (int i = 0; i < j->n_prompts; i++) total += j->n_ids[i];
     const char *reason = strstr(j->x_dflash, "reason=");
-    df_server_log(srv, "#%llu %s POST %s: mode=%s%s%s prompt=%d max_tokens=%d%s%s", (unsigned long long)j->seq,
+    char mt[16] = "none"; /* 0: no limit but the context */
+    if (j->max_tokens > 0) snprintf(mt, sizeof mt, "%d", j->max_tokens);
+    df_server_log(srv, "#%llu %s POST %s: mode=%s%s%s prompt=%d max_tokens=%s%s%s", (unsigned long long)j->seq,
                   j->client, route_path(j->route), j->speculative ? "speculative" : "plain",
-                  reason ? " reason=" : "", reason ? reason + 7 : "", total, j->max_tokens,
+                  reason ? " reason=" : "", reason ? reason + 7 : "", total, mt,
                   j->req.stream ? " stream" : "", j->req.tools && j->req.tool_choice ? " tools" : "");
 }
 

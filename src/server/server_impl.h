@@ -129,6 +129,7 @@ struct df_server {
     pthread_cond_t qcond;
     df_job *qhead, *qtail;
     int n_waiting;
+    double prune_ms;              /* worker: when it last looked for queued clients that left */
     df_job *running;
     pthread_t worker;
     int worker_started;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/threads.h"
 #include "dflash/speculative.h"
 
 /* ---- loading ------------------------------------------------------------------------ */
@@ -75,9 +76,12 @@ int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e) {
         double wait = avg * (srv->n_waiting + 1);
         j->retry_after = wait < 1 ? 1 : wait > 60 ? 60 : (int)ceil(wait);
         rc = df_api_error_set(e, 503, "server_error", "queue_full", NULL,
-                              "The server is busy: %d requests are waiting (the limit). Retry after %d s.",
-                              srv->n_waiting, j->retry_after);
+                              "The server is busy: %d request%s waiting (the limit). Retry after %d s.",
+                              srv->n_waiting, srv->n_waiting == 1 ? " is" : "s are", j->retry_after);
     } else {
+        /* its number in the log: taken here, so that a request answered at once (an error,
+         * a full queue) has only the number of its one log line */
+        j->seq = atomic_fetch_add(&srv->seq, 1) + 1;
         atomic_fetch_add(&j->refs, 1);
         j->next = NULL;
         if (srv->qtail) srv->qtail->next = j;
@@ -183,8 +187,21 @@ static int should_stop(gen_ctx *c) {
     return 0;
 }
 
+/* The running generation's stop check (per token, per prefill chunk), which also looks for
+ * queued clients that left every 250 ms: their places are freed and they are logged 499
+ * "while waiting" then, not when their turn comes. */
+static int run_should_stop(gen_ctx *c) {
+    df_server *srv = c->j->srv;
+    const double now = df_now_ms();
+    if (now - srv->prune_ms >= 250.0) {
+        srv->prune_ms = now;
+        df_queue_prune(srv);
+    }
+    return should_stop(c);
+}
+
 /* df_gen_params.should_stop: polled between prefill chunks. */
-static int prefill_should_stop(void *user) { return should_stop(user); }
+static int prefill_should_stop(void *user) { return run_should_stop(user); }
 
 /* The pending token infos as a chunk's logprobs (and clears them), or NULL when none. */
 static json_t *take_logprobs(gen_ctx *c) {
@@ -227,7 +244,7 @@ static void send_deltas(gen_ctx *c) {
 
 static int on_token_info(void *user, const df_token_info *info) {
     gen_ctx *c = user;
-    if (!c->j->req.stream) return should_stop(c);
+    if (!c->j->req.stream) return run_should_stop(c);
     if (c->n_pending == c->cap_pending) {
         int cap = c->cap_pending ? c->cap_pending * 2 : 16;
         df_token_info *p = realloc(c->pending, (size_t)cap * sizeof *p);
@@ -236,13 +253,13 @@ static int on_token_info(void *user, const df_token_info *info) {
         c->cap_pending = cap;
     }
     c->pending[c->n_pending++] = *info;
-    return should_stop(c);
+    return run_should_stop(c);
 }
 
 static int on_text(void *user, int32_t id, const char *text, size_t len) {
     (void)id;
     gen_ctx *c = user;
-    if (should_stop(c)) return 1;
+    if (run_should_stop(c)) return 1;
     df_job *j = c->j;
     if (!j->req.stream) return 0;
     if (is_chat(j)) {
@@ -537,7 +554,7 @@ void *df_worker_main(void *arg) {
         } else {
             gen_ctx probe = {.j = j};
             if (should_stop(&probe)) { /* the client left while waiting */
-                snprintf(j->note, sizeof j->note, "the client closed the connection");
+                snprintf(j->note, sizeof j->note, "the client closed the connection while waiting");
                 finish_job(j, 499);
             } else {
                 run_job(j);
@@ -568,10 +585,12 @@ void df_job_log_end(df_job *j, int status) {
     m->plain_steps += (uint64_t)j->plain_steps;
     m->draft_seconds += j->draft_ms / 1000.0;
     m->verify_seconds += j->verify_ms / 1000.0;
-    if (j->speculative) m->speculative++;
-    else m->plain++;
+    if (j->started) { /* generations: not the requests turned away or given up while waiting */
+        if (j->speculative) m->speculative++;
+        else m->plain++;
+        if (status == 499) m->cancelled++;
+    }
     if ((status >= 400 && status != 499) || j->stream_error) m->errors++;
-    if (status == 499) m->cancelled++;
     if (j->decoded_tokens > 0) m->last_tps = tps;
     m->gen_seconds += (j->prompt_ms + j->decode_ms) / 1000.0;
     m->avg_job_s = m->avg_job_s > 0 ? 0.8 * m->avg_job_s + 0.2 * total_ms / 1000.0 : total_ms / 1000.0;
