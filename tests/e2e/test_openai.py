@@ -15,6 +15,7 @@ The split of a real (unforced) output is also checked against the raw text of th
 generation read through /v1/completions.
 """
 import json
+import re
 import signal
 import socket
 import threading
@@ -677,6 +678,28 @@ def test_clients_that_leave_the_queue_free_their_places():
         assert done and done[0].status_code == 200, done and done[0].text
         after = metrics(s.url)
         assert after["dflash_cancelled_total"] == 1   # the long stream; the two that left never ran
+        check_clean_exit(s)
+
+
+def test_error_details_and_log_lines_are_exact():
+    """A range error quotes the value as sent; a context overflow among several prompts names
+    the prompt; log lines keep UTF-8 text and give each request one number, without gaps."""
+    with Server("--model-id", "mödel ü") as s:
+        r = post(s.url, "/v1/chat/completions", {"messages": msgs("hi"), "temperature": 2.0000001})
+        assert r.status_code == 400 and "but got 2.0000001 instead" in r.json()["error"]["message"], r.text
+        r = post(s.url, "/v1/chat/completions", {"messages": msgs("hi"), "logit_bias": {"5": -100.0000001}})
+        assert r.status_code == 400 and "-100.0000001" in r.json()["error"]["message"], r.text
+        r = post(s.url, "/v1/completions", {"prompt": [[1, 2], [1] * 5000], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+        r = post(s.url, "/v1/chat/completions", {"model": "other", "messages": msgs("hi")})
+        assert r.status_code == 404 and "mödel ü" in r.json()["error"]["message"], r.text
+        r = post(s.url, "/v1/chat/completions", {"messages": msgs("hi"), "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+        log = s.log_text()
+        assert "POST /v1/chat/completions 404" in log and "'mödel ü'" in log, log
+        assert "max_tokens=2" in log
+        nums = [int(n) for n in re.findall(r"^\S+ #(\d+) ", log, re.M)]
+        assert sorted(set(nums)) == list(range(1, max(nums) + 1)), log
         check_clean_exit(s)
 
 
