@@ -157,6 +157,10 @@ int cmd_generate(int argc, char **argv) {
         const size_t len = strlen(prompt), bad = df_utf8_invalid_at(prompt, len);
         if (bad < len) return cli_usage_error(&cmd, "--prompt: the text is not valid UTF-8 (byte %zu)", bad);
     }
+    if (chat) {
+        const size_t len = strlen(chat), bad = df_utf8_invalid_at(chat, len);
+        if (bad < len) return cli_usage_error(&cmd, "--chat: the text is not valid UTF-8 (byte %zu)", bad);
+    }
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
     if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;

@@ -29,13 +29,30 @@ static const struct {
 static void usage(FILE *f) {
     fprintf(f, "usage: dflash <command> [options]\n\ncommands:\n");
     for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
-    fprintf(f, "\n'dflash <command> --help' lists the command's options and their defaults; 'dflash --version'\n"
-               "prints the version.\n"
+    fprintf(f, "\n'dflash <command> --help' (or 'dflash help <command>') lists the command's options and their\n"
+               "defaults; 'dflash --version' prints the version.\n"
                "With no --model, commands use $DFLASH_MODEL, else the embedded demo model (models/demo).\n");
 }
 
 int main(int argc, char **argv) {
     if (argc < 2) {
+        usage(stderr);
+        return CLI_EXIT_USAGE;
+    }
+    const int is_help = strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0;
+    if (is_help && argc == 3) { /* "dflash help COMMAND": that command's help */
+        for (int i = 0; i < N_COMMANDS; i++) {
+            if (strcmp(argv[2], commands[i].name) != 0) continue;
+            char help[] = "--help";
+            char *sub[] = {help, NULL};
+            return commands[i].run(1, sub);
+        }
+        fprintf(stderr, "dflash: unknown command '%s'\n", argv[2]);
+        usage(stderr);
+        return CLI_EXIT_USAGE;
+    }
+    if ((is_help || strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) && argc > 2) {
+        fprintf(stderr, "dflash: unexpected argument '%s' after '%s'\n", argv[2], argv[1]);
         usage(stderr);
         return CLI_EXIT_USAGE;
     }

@@ -23,6 +23,7 @@ int cmd_tokenize(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (!!text + !!decode != 1) return cli_usage_error(&cmd, "give exactly one of --text and --decode");
     if (model && tokenizer) return cli_usage_error(&cmd, "give --model or --tokenizer, not both");
+    if (skip_special && !decode) return cli_usage_error(&cmd, "--skip-special applies to --decode only");
 
     int32_t *ids = NULL;
     size_t n = 0;

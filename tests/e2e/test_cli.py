@@ -386,6 +386,18 @@ def test_version():
     p = run_cli("--version")
     assert p.returncode == 0
     assert re.match(r"dflash \d+\.\d+\.\d+ ", p.stdout)
+    p = run_cli("--version", "extra")
+    assert p.returncode == 2 and "unexpected argument 'extra'" in p.stderr, p.stderr
+
+
+def test_help_command_and_option_scope():
+    """'dflash help CMD' is CMD's help; an option of the other mode is refused, not ignored."""
+    p = run_cli("help", "tokenize")
+    assert p.returncode == 0 and p.stdout.startswith("usage: dflash tokenize"), p.stdout
+    p = run_cli("help", "nope")
+    assert p.returncode == 2 and "unknown command 'nope'" in p.stderr, p.stderr
+    p = run_cli("tokenize", *model_args(), "--text", "hi", "--skip-special")
+    assert p.returncode == 2 and "--skip-special applies to --decode only" in p.stderr, p.stderr
 
 
 def test_synth_names_what_is_missing():
@@ -581,11 +593,12 @@ def test_invalid_utf8_text_options_are_usage_errors():
     """--prompt, --stop and tokenize's --text must be UTF-8, as --chat: exit 2 naming the option."""
     bad = "a\udcbf\udcbdb"  # the bytes a, 0xBF, 0xBD, b (not UTF-8)
     for args in (["generate", *model_args(), "--prompt", bad], ["generate", *model_args(), "--prompt", "hi", "--stop", bad],
-                 ["tokenize", *model_args(), "--text", bad]):
+                 ["tokenize", *model_args(), "--text", bad], ["generate", *model_args(), "--chat", bad]):
         p = subprocess.run([DFLASH_BIN, *args], capture_output=True, timeout=60, env=base_env())
         assert p.returncode == 2, (args, p.stderr)
-        opt = next(a for a in args if a in ("--prompt", "--stop", "--text") and args[args.index(a) + 1] == bad)
-        assert f"{opt}: the text".encode() in p.stderr or b"not valid UTF-8" in p.stderr, p.stderr
+        opt = next(a for a in args if a in ("--prompt", "--stop", "--text", "--chat") and args[args.index(a) + 1] == bad)
+        assert f"{opt}: the".encode() in p.stderr and b"not valid UTF-8 (byte 1)" in p.stderr, p.stderr
+        assert b"usage:" in p.stderr, p.stderr
 
 
 def test_messages_file_number_out_of_range_names_the_field(tmp_path):
