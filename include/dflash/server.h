@@ -146,6 +146,7 @@ typedef struct df_http_request {
     const char *method;          /* "GET", "POST", ... */
     const char *path;            /* URL path, without the query string */
     const char *authorization;   /* value of the Authorization header, or NULL */
+    const char *content_encoding; /* value of the Content-Encoding header, or NULL */
     const char *body;            /* may be NULL when body_len is 0; need not be NUL-terminated */
     size_t body_len;
     int body_too_large;          /* the transport stopped keeping the body past max_body */

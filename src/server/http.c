@@ -323,6 +323,7 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
         .method = method,
         .path = url,
         .authorization = MHD_lookup_connection_value(ctx->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION),
+        .content_encoding = MHD_lookup_connection_value(ctx->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_ENCODING),
         .body = ctx->body,
         .body_len = ctx->len,
         .body_too_large = ctx->too_large,

@@ -680,6 +680,12 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
     } else if (route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS) {
         if (!post) {
             method_not_allowed(m, path, "POST", resp);
+        } else if (req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity")) {
+            char enc[64];
+            printable(req->content_encoding, enc, sizeof enc);
+            df_api_error_set(&e, 415, "invalid_request_error", "unsupported_content_encoding", NULL,
+                             "Content-Encoding '%s' is not supported: send the body uncompressed.", enc);
+            set_error(resp, &e);
         } else if (atomic_load(&srv->stopping)) {
             df_api_error_set(&e, 503, "server_error", "shutting_down", NULL, "The server is shutting down.");
             set_error(resp, &e);

@@ -5,6 +5,7 @@ Run by CTest `e2e` (with everything else) and, on its own, by `e2e_robustness`; 
 also runs `e2e_robustness` in the ASan + UBSan build (build-asan), where the server is the
 sanitized binary: any report fails the clean-exit check at the end.
 """
+import gzip
 import json
 import select
 import socket
@@ -245,6 +246,19 @@ def test_numbers_past_the_parser_range(srv, route, fields, param, expected, show
     r = requests.post(srv.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
     err = assert_error(r, 400, "invalid_value", param)
     assert f"'{param}'" in err["message"] and expected in err["message"] and shown in err["message"], err
+
+
+def test_compressed_bodies_are_refused(srv):
+    """A body sent with a Content-Encoding (gzip) is refused with 415 naming it, not read as
+    JSON; "identity" is the plain body."""
+    body = json.dumps({"messages": MSG, "max_tokens": 1, "temperature": 0}).encode()
+    r = requests.post(srv.url + "/v1/chat/completions", data=gzip.compress(body), timeout=60,
+                      headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    err = assert_error(r, 415, "unsupported_content_encoding")
+    assert "'gzip'" in err["message"], err
+    r = requests.post(srv.url + "/v1/chat/completions", data=body, timeout=60,
+                      headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
 
 
 def test_huge_numbers_elsewhere_are_named(srv):
