@@ -95,6 +95,9 @@ void cli_model_id(const char *dir, char *out, size_t cap);
 /* Parses "1,2,3" (option `what` of cmd) into a malloc'd id array. Returns -1 if malformed,
  * after cmd's usage error on stderr. */
 int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32_t **ids, size_t *n);
+/* 0 when text (the value of option `opt` of cmd, e.g. "--prompt") is valid UTF-8; else cmd's
+ * usage error naming the option and the first bad byte, and CLI_EXIT_USAGE. */
+int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

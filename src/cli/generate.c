@@ -150,17 +150,10 @@ int cmd_generate(int argc, char **argv) {
         return cli_usage_error(&cmd, "--device must be cpu or cuda");
     for (int i = 0; i < stop.n; i++) {
         if (!stop.items[i][0]) return cli_usage_error(&cmd, "--stop: a stop string cannot be empty");
-        const size_t len = strlen(stop.items[i]), bad = df_utf8_invalid_at(stop.items[i], len);
-        if (bad < len) return cli_usage_error(&cmd, "--stop: the stop string is not valid UTF-8 (byte %zu)", bad);
+        if (cli_check_utf8(&cmd, "--stop", stop.items[i])) return CLI_EXIT_USAGE;
     }
-    if (prompt) {
-        const size_t len = strlen(prompt), bad = df_utf8_invalid_at(prompt, len);
-        if (bad < len) return cli_usage_error(&cmd, "--prompt: the text is not valid UTF-8 (byte %zu)", bad);
-    }
-    if (chat) {
-        const size_t len = strlen(chat), bad = df_utf8_invalid_at(chat, len);
-        if (bad < len) return cli_usage_error(&cmd, "--chat: the text is not valid UTF-8 (byte %zu)", bad);
-    }
+    if (prompt && cli_check_utf8(&cmd, "--prompt", prompt)) return CLI_EXIT_USAGE;
+    if (chat && cli_check_utf8(&cmd, "--chat", chat)) return CLI_EXIT_USAGE;
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
     if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;

@@ -2,6 +2,7 @@
 #include "cli/cli.h"
 
 #include "dflash/speculative.h"
+#include "dflash/tokenizer.h"
 
 #include <errno.h>
 #include <float.h>
@@ -31,6 +32,11 @@ int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
     va_end(ap);
     fprintf(stderr, "\nusage: dflash %s %s\n(see 'dflash %s --help')\n", cmd->name, cmd->usage, cmd->name);
     return CLI_EXIT_USAGE;
+}
+
+int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text) {
+    const size_t len = strlen(text), bad = df_utf8_invalid_at(text, len);
+    return bad < len ? cli_usage_error(cmd, "%s: the text is not valid UTF-8 (byte %zu)", opt, bad) : 0;
 }
 
 int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }

@@ -28,12 +28,9 @@ int cmd_tokenize(int argc, char **argv) {
     int32_t *ids = NULL;
     size_t n = 0;
     if (decode && cli_parse_ids(&cmd, "--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
-    if (text) {
-        const size_t len = strlen(text), bad = df_utf8_invalid_at(text, len);
-        if (bad < len) {
-            free(ids);
-            return cli_usage_error(&cmd, "--text: the text is not valid UTF-8 (byte %zu)", bad);
-        }
+    if (text && cli_check_utf8(&cmd, "--text", text)) {
+        free(ids);
+        return CLI_EXIT_USAGE;
     }
     char path[4096];
     if (tokenizer) {

@@ -12,6 +12,7 @@
 #include <strings.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#include <utf8proc.h>
 
 #include "dflash/generate.h"
 
@@ -114,31 +115,21 @@ void df_server_log(const df_server *srv, const char *fmt, ...) {
     srv->opt.log(srv->opt.log_user, line);
 }
 
-/* A printable copy of an untrusted string for the log. */
+/* A printable copy of an untrusted string for the log: characters are kept whole (when they
+ * fit), except controls, format characters (direction marks), line and paragraph separators and
+ * unassigned or private ones, which become '?' like bytes that are not UTF-8. */
 static void printable(const char *in, char *out, size_t cap) {
     size_t o = 0;
-    const unsigned char *p = (const unsigned char *)in;
+    const utf8proc_uint8_t *p = (const utf8proc_uint8_t *)in;
     while (p && *p && o + 1 < cap) {
-        if (*p >= 0x20 && *p < 0x7f) {
-            out[o++] = (char)*p++;
-            continue;
-        }
-        /* a well-formed UTF-8 sequence of a character from U+00A0 on is kept whole (when it
-         * fits); control characters and stray bytes become '?' */
-        const int n = *p >= 0xf0 && *p <= 0xf4 ? 4 : (*p >= 0xe0 ? 3 : (*p >= 0xc2 ? 2 : 0));
-        uint32_t cp = n == 4 ? (*p & 0x07u) : (n == 3 ? (*p & 0x0fu) : (*p & 0x1fu));
-        int ok = n > 0 && *p < 0xf5;
-        for (int k = 1; ok && k < n; k++) {
-            if ((p[k] & 0xc0) != 0x80) ok = 0;
-            else cp = (cp << 6) | (p[k] & 0x3fu);
-        }
-        if (ok && (cp < 0xa0 || (n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
-                   (cp >= 0xd800 && cp <= 0xdfff) || cp == 0x200e || cp == 0x200f || (cp >= 0x2028 && cp <= 0x202e) ||
-                   (cp >= 0x2066 && cp <= 0x2069)))
-            ok = 0; /* also line separators and direction marks, which could disguise a line */
-        if (!ok) {
+        utf8proc_int32_t cp;
+        const utf8proc_ssize_t n = utf8proc_iterate(p, -1, &cp);
+        utf8proc_category_t c = n > 0 ? utf8proc_category(cp) : UTF8PROC_CATEGORY_CN;
+        if (c == UTF8PROC_CATEGORY_CC || c == UTF8PROC_CATEGORY_CF || c == UTF8PROC_CATEGORY_ZL ||
+            c == UTF8PROC_CATEGORY_ZP || c == UTF8PROC_CATEGORY_CS || c == UTF8PROC_CATEGORY_CO ||
+            c == UTF8PROC_CATEGORY_CN) {
             out[o++] = '?';
-            p++;
+            p += n > 0 ? n : 1;
         } else if (o + (size_t)n + 1 <= cap) {
             memcpy(out + o, p, (size_t)n);
             o += (size_t)n;
