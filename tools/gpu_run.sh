@@ -6,7 +6,8 @@
 # (bench_cuda_ops), synth (27B-shaped pack into /tmp/p27, about 11 GB), bench (dflash bench on
 # it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k),
 # trace (the kernel timeline of a decode step and of verify passes: tools/trace_report.py),
-# ab (plain decoding of VARIANTS alternating), short (final's bench at block 4 only, 3 identity
+# ab (plain decoding of VARIANTS alternating; a variant with BASE=1 runs the baseline binary),
+# short (final's bench at block 4 only, 3 identity
 # prompts). Library packages come from ../.gpu-deps (Debian .debs,
 # unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU machine with nvcc 13.0),
 # else built here. Logs go to $OUT.
@@ -41,10 +42,11 @@ for s in $STEPS; do
   info)
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/summary.txt" ;;
   tests)
+    # TEST_ENV: settings the tests run under (e.g. a scheduling variant: the bits must not change)
     for tst in test_cuda_ops test_cuda_model; do
-      timeout ${TEST_TIMEOUT:-200} "$TB/$tst" > "$OUT/$tst.log" 2>&1
+      env ${TEST_ENV:-X=1} timeout ${TEST_TIMEOUT:-200} "$TB/$tst" > "$OUT/$tst.log" 2>&1
       rc=$?
-      echo "$tst rc=$rc" | tee -a "$OUT/summary.txt"
+      echo "$tst ${TEST_ENV:-} rc=$rc" | tee -a "$OUT/summary.txt"
       grep -E "rel err|fixed point|fused|max \|delta\||greedy|speculative ==|FAILED|ERROR|Failure|differ|SKIP|PASSED|above|tolerance" "$OUT/$tst.log" | head -60 | tee -a "$OUT/summary.txt"
       if [ $rc -ne 0 ] && [ "$tst" = test_cuda_ops ] && [ "${SANITIZE:-1}" = 1 ]; then
         timeout 60 compute-sanitizer --tool memcheck --print-limit 20 "$TB/$tst" > "$OUT/sanitizer.log" 2>&1
@@ -120,7 +122,8 @@ for s in $STEPS; do
   vcurve)
     for v in ${VARIANTS:-X=1}; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
-      env ${v//,/ } timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 96 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic|per round" | tee -a "$OUT/summary.txt"
+      exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
+      env ${v//,/ } timeout 150 "$exe" bench --model /tmp/p27 --ctx 1024 --gen 96 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 2>&1 | grep -E "plain decode|B= ?[0-9]|synthetic|per round" | tee -a "$OUT/summary.txt"
     done ;;
   trace)
     # the kernel timeline in place (DFLASH_CUDA_TRACE; tools/trace_report.py): the last plain
@@ -146,7 +149,9 @@ for s in $STEPS; do
     for r in $(seq 1 ${AB_ROUNDS:-3}); do
       for v in ${VARIANTS:-X=1}; do
         printf -- "-- %s round %s: " "$v" "$r" | tee -a "$OUT/summary.txt"
-        env ${v//,/ } timeout 100 "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+        # BASE=1: the baseline binary (prebuilt/dflash-gpu-base, from tools/gpu_sync.sh BASE_BUILD)
+        exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
+        env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
       done
     done ;;
   tune)

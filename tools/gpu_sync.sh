@@ -11,6 +11,8 @@ git ls-files -co --exclude-standard | grep -v '^tests/fixtures/\|^models/' | tar
 for b in dflash-gpu bench_cuda_ops tests/test_cuda_ops tests/test_cuda_model; do
   strip -o "$DEST/prebuilt/$(basename $b)" "build-cuda/$b"
 done
+# BASE_BUILD=DIR: that build's dflash-gpu travels too, as the baseline of A/B runs (BASE=1)
+if [ -n "${BASE_BUILD:-}" ]; then strip -o "$DEST/prebuilt/dflash-gpu-base" "$BASE_BUILD/dflash-gpu"; fi
 # the four binaries share most of their GPU code: compressed together they travel in far less
 tar -C "$DEST" -cJf "$DEST/prebuilt.tar.xz" prebuilt && rm -rf "$DEST/prebuilt"
 du -sh "$DEST"

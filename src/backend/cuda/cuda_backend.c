@@ -340,9 +340,11 @@ static int choose_kw_q(int rows, int ng, int ring) {
         return atoi(force);
     const char *cap = getenv("DFLASH_CUDA_KW_MAX"); /* experiments only: at most this many slices */
     const int kmax = cap && atoi(cap) >= 1 && atoi(cap) <= 8 ? atoi(cap) : 8;
+    const char *mg = getenv("DFLASH_CUDA_KW_GROUPS"); /* experiments only: groups per slice at least */
+    const int gmin = mg && atoi(mg) >= 1 && atoi(mg) <= 64 ? atoi(mg) : 4;
     const int tiles = (rows + 15) / 16;
     int kw = 1;
-    while (kw < kmax && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= 4) kw *= 2;
+    while (kw < kmax && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= gmin) kw *= 2;
     return kw;
 }
 
@@ -1707,8 +1709,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
     const char *ast = getenv("DFLASH_CUDA_ATTN_STAGED"); /* rows per call staged at most (the same bits) */
     dfk_set_attn_staged(ast ? atoi(ast) : 1);
-    const char *qsh = getenv("DFLASH_CUDA_QSHALLOW"); /* 0: 3 ring stages for 5..8 rows always */
-    dfk_set_q_shallow(!(qsh && strcmp(qsh, "0") == 0));
+    const char *qst = getenv("DFLASH_CUDA_QSTAGE"); /* k_lin_qb's ring shape (dfk_set_q_stage) */
+    dfk_set_q_stage(qst ? atoi(qst) : 0);
     const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
     dfk_set_q_diag(qdg ? atoi(qdg) : 0);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");

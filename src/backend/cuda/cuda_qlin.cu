@@ -1233,45 +1233,50 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
  *
  * Same units, K-slices and arithmetic as k_lin_q and k_lin_qr (q_mma_group, q_finish: the same
  * bits). A warp's steps of a unit are one contiguous run of records (record order above); lane
- * 0 copies them, up to QB_C records at a time, with cp.async.bulk into a ring of QB_NS stages
+ * 0 copies them, up to QC records at a time, with cp.async.bulk into a ring of NS stages
  * in shared memory, one mbarrier per stage (the copy's byte count completes it); the lanes only
  * wait on the stage's barrier and read their own words. The prepared input is copied into
- * shared memory once per linear, its 2^E and S·2^E interleaved, with a zero record that the
- * lanes of data rows >= M read instead: a step's loads take no conditions. What a step issues
- * is the fragment and code loads, the code unpacking, the MMAs and the epilogue. */
+ * shared memory once per linear (three bulk copies where its arrays are whole 16-byte lines),
+ * with a zero record that the lanes of data rows >= M read instead: a step's loads take no
+ * conditions. What a step issues is the fragment and code loads, the code unpacking, the MMAs
+ * and the epilogue; what a unit adds is the K-slice sum, and lane 0's copy cursor moves to the
+ * next unit's run by two pointer increments (the search only at a linear's last unit). */
 
-/* The ring: records per bulk copy (one stage), stages per warp, and resident CTAs per SM asked
- * of the compiler (measured on the H200, M = 1: 2 records x 4 stages at 3 CTAs per SM 165.3 /
- * 168.9 tok/s; 4 x 3 at 2 CTAs 165.0 / 163.8; 2 x 6 at 2 CTAs 157.4 / 156.0; the per-lane
- * ring 162.4 / 161.1). */
-#define QB_C 2
-#define QB_NS 4
+/* Resident CTAs per SM asked of the compiler for one n-tile (registers for three). */
 #define QB_MINB 3
 
-/* NS: stages per warp (QB_NS; 3 for two n-tiles, whose input copy is twice as large: 8 rows of
- * 5120 columns and the rings then fit two CTAs per SM) */
-template <int WPL, int NS = QB_NS>
+/* The ring of k_lin_qb: NS stages per warp of up to QC records each (qb_shape), by bulk copies
+ * of whole stages (the records of a warp's unit, up to QC, in one copy: fewer waits and copies
+ * per record; measured on the H200, plain decoding, 6 x 2 against 2 x 4: 170.6-172.3 against
+ * 155.3-162.6 tok/s). */
+template <int WPL, int NS, int QC>
 struct qbulk {
-    static constexpr int CB = WPL * 128;           /* code bytes of a record (32 lanes x WPL words) */
-    static constexpr int STAGE = QB_C * (CB + 64); /* QB_C records' codes, then their 64-byte sb rows */
+    static constexpr int CB = WPL * 128;         /* code bytes of a record (32 lanes x WPL words) */
+    static constexpr int STAGE = QC * (CB + 64); /* QC records' codes, then their 64-byte sb rows */
     static constexpr int RING = NS * STAGE;        /* per warp */
-    static constexpr int BYTES = 8 * RING + 8 * NS * 8; /* 8 warps' rings, then their mbarriers */
-};
-template <int NT>
-struct qb_ns {
-    static constexpr int N = NT == 1 ? QB_NS : 3;
+    static constexpr int BYTES = 8 * RING + 8 * NS * 8 + 16; /* 8 warps' rings, their mbarriers, the input copy's */
 };
 
-/* Lane 0's copy cursor: the next records of the warp's runs over the CTA's units [.., u_end). */
+/* Lane 0's copy cursor: the next records of the warp's runs over the CTA's units [.., u_end):
+ * the run's next code and scale/bias bytes, the records left in it, its unit u and linear di.
+ * Within a linear, the run of unit u + 1 starts jc, js bytes after the end of unit u's (same
+ * K-slice, the next tiles) and has nj records, for units below ufast (the linear's units but its
+ * last, whose tiles may lie partly outside the weight: there the search of qb_cur_unit runs);
+ * those four are kept in shared memory (qb_jump), read once per unit (registers are short). */
 struct qb_cur {
     const char *codes, *sb;
     int left, u, di;
+};
+struct qb_jump {
+    unsigned jc, js;
+    int nj, ufast;
 };
 
 /* Points the cursor at the run of unit u (or of the first later unit where this warp has
  * records; c.u == u_end: none left). */
 template <int BITS, int GS>
-static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int u_end, int di, int warp, qb_cur &c) {
+static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int u_end, int di, int warp, qb_cur &c,
+                                                   qb_jump &J) {
     constexpr int WPL = qcfg<BITS, GS, 1, 1>::WPL;
     size_t tg = 0;
     int nj = 0;
@@ -1281,77 +1286,154 @@ static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int 
     c.codes = reinterpret_cast<const char *>(P.d[di].codes + tg * (size_t)(WPL * 32));
     c.sb = reinterpret_cast<const char *>(P.d[di].sb + tg * 16);
     c.left = nj;
+    const unsigned recs = (unsigned)((8 >> P.kwl[di]) * (P.d[di].cols / GS) - nj); /* records between two runs */
+    J.jc = recs * (unsigned)(WPL * 128);
+    J.js = recs * 64u;
+    J.nj = nj;
+    J.ufast = P.start[di + 1] - 1;
 }
 
-/* Lane 0: the cursor's next (up to QB_C) records into the stage at shared address stage, on its
+/* Lane 0: the cursor's next (up to QC) records into the stage at shared address stage, on its
  * barrier bar; advances the cursor. Nothing when no record is left. */
-template <int BITS, int GS>
+template <int BITS, int GS, int QC>
 static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int warp, uint32_t stage, uint32_t bar,
-                                                qb_cur &c) {
-    typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL> B;
+                                                qb_cur &c, qb_jump &J) {
+    typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL, 1, QC> B;
     if (c.u >= u_end) return;
-    const int n = c.left < QB_C ? c.left : QB_C;
+    const int n = c.left < QC ? c.left : QC;
     const bool sb = !(P.diag & 4);
     mbar_expect(bar, (unsigned)(n * (B::CB + (sb ? 64 : 0))));
     bulk_copy(stage, c.codes, (unsigned)(n * B::CB), bar);
-    if (sb) bulk_copy(stage + (uint32_t)(QB_C * B::CB), c.sb, (unsigned)(n * 64), bar);
+    if (sb) bulk_copy(stage + (uint32_t)(QC * B::CB), c.sb, (unsigned)(n * 64), bar);
     c.codes += n * B::CB;
     c.sb += n * 64;
     c.left -= n;
-    if (c.left == 0) qb_cur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, c);
+    if (c.left == 0) {
+        if (c.u + 1 < J.ufast && c.u + 1 < u_end) { /* the next unit's run: the next tiles of this K-slice */
+            c.u++;
+            c.codes += J.jc;
+            c.sb += J.js;
+            c.left = J.nj;
+        } else {
+            qb_cur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, c, J);
+        }
+    }
+}
+
+/* Bytes of the prepared input of M rows of `cols` columns in k_lin_qb's shared memory: the
+ * planes, then 2^E and then S·2^E per (row, group), each of the two arrays padded to 16 bytes
+ * (qb_in_layout). */
+static __host__ __device__ __forceinline__ size_t qb_in_bytes(int M, int cols, int gs) {
+    const size_t ne = (size_t)M * (size_t)(cols / gs) * 4;
+    return (size_t)M * 2 * (size_t)cols + 2 * ((ne + 15) & ~(size_t)15);
 }
 
 /* Thread tid of nthr copies its share of linear L's prepared input into shared memory at qsm:
- * nq 16-byte words of planes, then ne (2^E, S·2^E) pairs. The loads of four rounds are issued
- * before their stores (the input was just written by the previous kernel: one L2 round trip
- * per four rounds). */
-static __device__ __forceinline__ void qb_copy_input(const dfk_qlin &L, int nq, int ne, unsigned char *qsm, int tid,
-                                                     int nthr) {
+ * nq 16-byte words of planes, then the ne values 2^E at byte nq·16 and S·2^E at byte
+ * nq·16 + sxo. The loads of four rounds are issued before their stores (the input was just
+ * written by the previous kernel: one L2 round trip per four rounds). */
+static __device__ __forceinline__ void qb_copy_input(const dfk_qlin &L, int nq, int ne, unsigned sxo,
+                                                     unsigned char *qsm, int tid, int nthr) {
     const uint4 *gq = reinterpret_cast<const uint4 *>(L.xq);
     uint4 *sq = reinterpret_cast<uint4 *>(qsm);
-    float2 *se = reinterpret_cast<float2 *>(qsm + (size_t)nq * 16);
+    float *se = reinterpret_cast<float *>(qsm + (size_t)nq * 16);
+    float *ss = reinterpret_cast<float *>(qsm + (size_t)nq * 16 + sxo);
     constexpr int R = 4;
     for (int i0 = tid; i0 < nq || i0 < ne; i0 += R * nthr) {
         uint4 v[R];
-        float2 es[R];
+        float e[R], sx[R];
 #pragma unroll
         for (int k = 0; k < R; k++) {
             const int i = i0 + k * nthr;
             if (i < nq) v[k] = __ldcg(gq + i);
-            if (i < ne) es[k] = make_float2(__ldcg(L.xe + i), __ldcg(L.xsx + i));
+            if (i < ne) {
+                e[k] = __ldcg(L.xe + i);
+                sx[k] = __ldcg(L.xsx + i);
+            }
         }
 #pragma unroll
         for (int k = 0; k < R; k++) {
             const int i = i0 + k * nthr;
             if (i < nq) sq[i] = v[k];
-            if (i < ne) se[i] = es[k];
+            if (i < ne) {
+                se[i] = e[k];
+                ss[i] = sx[k];
+            }
         }
     }
 }
 
-/* The prepared input of linear L in shared memory at qsm (once per linear: staged holds the key
- * of the linear whose copy is there): the planes of the M rows, then (2^E, S·2^E) pairs per
- * (row, group). Every thread of the CTA calls it. */
-static __device__ __forceinline__ void qb_stage_input(const dfk_qlin &L, int M, int gs, unsigned char *qsm, int key,
-                                                      int &staged) {
+/* The prepared input of linear L in shared memory at qsm (shared address smem0), once per
+ * linear (staged holds the key of the linear whose copy is there): the planes of the M rows,
+ * then 2^E per (row, group), then at sxo bytes after those S·2^E. Every thread of the CTA calls
+ * it. Where the three arrays are whole 16-byte lines, thread 0 copies them with three bulk
+ * copies that complete on the mbarrier ibar (its phase in iparity) and the others wait on it;
+ * otherwise every thread copies its share (qb_copy_input). The same bytes either way. */
+static __device__ __forceinline__ void qb_stage_input(const dfk_qlin &L, int M, int gs, unsigned char *qsm,
+                                                      uint32_t smem0, uint32_t ibar, unsigned &iparity, int key,
+                                                      int &staged, unsigned sxo) {
     if (staged == key) return;
     const int ng = L.cols / gs;
-    const int nq = M * 2 * L.cols / 16, ne = M * ng;
+    const unsigned nqb = (unsigned)(M * 2 * L.cols), neb = (unsigned)(M * ng * 4);
     __syncthreads(); /* the previous linear's copy may still be read */
-    qb_copy_input(L, nq, ne, qsm, threadIdx.x, 256);
-    __syncthreads();
+    const bool bulk = ((nqb | neb) & 15u) == 0 &&
+                      (((uintptr_t)L.xq | (uintptr_t)L.xe | (uintptr_t)L.xsx) & 15u) == 0;
+    if (bulk) {
+        if (threadIdx.x == 0) {
+            /* the generic-proxy reads of the previous copy (ordered by the barrier) before the
+             * bulk copies' writes */
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_expect(ibar, nqb + 2 * neb);
+            bulk_copy(smem0, L.xq, nqb, ibar);
+            bulk_copy(smem0 + nqb, L.xe, neb, ibar);
+            bulk_copy(smem0 + nqb + sxo, L.xsx, neb, ibar);
+        }
+        mbar_wait(ibar, iparity);
+        iparity ^= 1u;
+    } else {
+        qb_copy_input(L, (int)(nqb / 16), M * ng, sxo, qsm, threadIdx.x, 256);
+        __syncthreads();
+    }
     staged = key;
 }
 
+/* How a warp of k_lin_qb addresses the prepared input of one linear in shared memory (byte
+ * offsets in qsm): its lanes' B fragments (ba) and 2^E (ea) at the first group of its K-slice,
+ * their steps per record (bst, est), and S·2^E at ea + sxo. */
+template <int NT>
+struct qb_lin {
+    uint32_t ba[NT], ea[NT], bst[NT], est[NT], sxo;
+};
+
+/* qb_lin for warp K-slice kw of KW, linear L of `ng` groups, M rows. Lanes of data rows >= M
+ * read the zero record (at byte zero) for their B fragments, so their products are zero, and
+ * row 0's 2^E and S·2^E (finite values; those rows' outputs are never stored). */
+template <int GS, int NT>
+static __device__ __forceinline__ qb_lin<NT> qb_lin_of(int M, int cols, int kw, int KW, int lane, uint32_t zero) {
+    constexpr int KBG = GS / 32;
+    const int ng = cols / GS, g = lane >> 2, t = lane & 3;
+    const uint32_t nqb = (uint32_t)(M * 2 * cols), neb = (uint32_t)(M * ng * 4);
+    qb_lin<NT> A;
+    A.sxo = (neb + 15u) & ~15u;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t < M ? 4 * nt + t : 0;
+        A.ba[nt] = m < M ? (uint32_t)((((m * 2 + p) * ng + kw) * 4 + t) * (KBG / 2) * 16) : zero;
+        A.bst[nt] = m < M ? (uint32_t)(KW * 4 * (KBG / 2) * 16) : 0u;
+        A.ea[nt] = nqb + (uint32_t)((mt * ng + kw) * 4);
+        A.est[nt] = (uint32_t)(KW * 4);
+    }
+    return A;
+}
+
 /* Step r of a ring stage (stp: the stage; C records per stage): this lane's B fragments and
- * (2^E, S·2^E) at byte offsets ba, ea of qsm (advanced by bst, est), its code words and its
- * scale/bias pair. Plain loads: they stay after the stage's barrier wait (whose asm clobbers
+ * 2^E, S·2^E at byte offsets ba, ea, ea + A.sxo of qsm (ba, ea advanced by A.bst, A.est), its
+ * code words and its scale/bias pair. Plain loads: they stay after the stage's barrier wait (whose asm clobbers
  * memory), and the compiler may move them ahead of an earlier step's MMAs. */
 template <int BITS, int GS, int NT>
 static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, const unsigned char *stp, int r, int C,
                                                     int lane, int g, uint32_t (&ba)[NT], uint32_t (&ea)[NT],
-                                                    const uint32_t (&bst)[NT], const uint32_t (&est)[NT],
-                                                    uint32_t (&bq)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&e)[NT],
+                                                    const qb_lin<NT> &A, uint32_t (&bq)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&e)[NT],
                                                     float (&sx)[NT], uint32_t (&w)[qcfg<BITS, GS, NT, 1>::WPL],
                                                     uint2 &sbv) {
     typedef qcfg<BITS, GS, NT, 1> Q;
@@ -1367,11 +1449,10 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
             bq[nt][2 * k + 1][0] = v.z;
             bq[nt][2 * k + 1][1] = v.w;
         }
-        const float2 es = *reinterpret_cast<const float2 *>(qsm + ea[nt]);
-        e[nt] = es.x;
-        sx[nt] = es.y;
-        ba[nt] += bst[nt];
-        ea[nt] += est[nt];
+        e[nt] = *reinterpret_cast<const float *>(qsm + ea[nt]);
+        sx[nt] = *reinterpret_cast<const float *>(qsm + ea[nt] + A.sxo);
+        ba[nt] += A.bst[nt];
+        ea[nt] += A.est[nt];
     }
 #pragma unroll
     for (int v = 0; v < NVEC; v++) {
@@ -1393,61 +1474,56 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
     sbv = *reinterpret_cast<const uint2 *>(stp + C * CB + r * 64 + g * 8);
 }
 
-/* The steps of one warp (wt: its index among the 8 warps of its unit) in a unit of linear L of
- * k_lin_qb: nj records through the warp's ring (stages at ring0, barriers at bar0;
- * stage and parity: the ring's cursor), their groups' terms summed into yv in order (zeroed
- * first). Lane 0 refills each stage once read, by issue(stage address, barrier address). zero:
- * the byte offset of the zero record in qsm. */
-template <int BITS, int GS, int NT, int SBF, int NS, class Iss>
-static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const dfk_qlin &L, int kwl, int wt, int lane,
-                                                     int nj, const unsigned char *qsm, uint32_t smem0, uint32_t ring0,
-                                                     uint32_t bar0, uint32_t zero, int &stage, unsigned &parity,
+/* The steps of one warp in a unit of k_lin_qb: nj records through the warp's ring (stages at
+ * ring0, barriers at bar0; stage and parity: the ring's cursor), their groups' terms summed
+ * into yv in order (zeroed first), the input addressed as A says (qb_lin_of). Lane 0 refills
+ * each stage once read, by issue(stage address, barrier address). */
+template <int BITS, int GS, int NT, int SBF, int NS, int QC, class Iss>
+static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_lin<NT> A, int lane, int nj,
+                                                     const unsigned char *qsm, uint32_t smem0, uint32_t ring0,
+                                                     uint32_t bar0, int &stage, unsigned &parity,
                                                      float (&yv)[1][NT][2], Iss issue) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qbulk<C::WPL, NS> B;
+    typedef qbulk<C::WPL, NS, QC> B;
     constexpr int KBG = C::KBG, WPL = C::WPL;
-    const int M = P.M, KW = 1 << kwl, kw = wt & (KW - 1), ng = L.cols / GS, g = lane >> 2, t = lane & 3;
-    /* this lane's fragment addresses at group kw and their steps per record (0 for data
-     * rows >= M: the zero record) */
-    const uint32_t es0 = (uint32_t)(M * 2 * L.cols);
-    uint32_t ba[NT], ea[NT], bst[NT], est[NT]; /* byte offsets in qsm */
+    const int g = lane >> 2;
+    uint32_t ba[NT], ea[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        const int m = 4 * nt + (g >> 1), p = g & 1, mt = 4 * nt + t;
-        ba[nt] = m < M ? (uint32_t)((((m * 2 + p) * ng + kw) * 4 + t) * (KBG / 2) * 16) : zero;
-        bst[nt] = m < M ? (uint32_t)(KW * 4 * (KBG / 2) * 16) : 0u;
-        ea[nt] = mt < M ? es0 + (uint32_t)((mt * ng + kw) * 8) : zero;
-        est[nt] = mt < M ? (uint32_t)(KW * 8) : 0u;
+        ba[nt] = A.ba[nt];
+        ea[nt] = A.ea[nt];
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) yv[0][nt][0] = yv[0][nt][1] = 0.0f;
 #pragma unroll 1
-    for (int j = 0; j < nj; j += QB_C) {
-        const int n = nj - j < QB_C ? nj - j : QB_C;
+    for (int j = 0; j < nj; j += QC) {
+        const int n = nj - j < QC ? nj - j : QC;
         const uint32_t st = ring0 + (uint32_t)(stage * B::STAGE), bar = bar0 + (uint32_t)(8 * stage);
         mbar_wait(bar, parity);
         const unsigned char *stp = qsm + (st - smem0);
         if (P.diag & 2) {
             /* timing experiment: the copies only */
-        } else if (n == QB_C) {
-            /* a full stage: every step's loads first, then the groups in order (the MMA chains of
-             * different steps overlap; the sums into yv keep their order) */
-            uint32_t bq[QB_C][NT][KBG][2], w[QB_C][1][WPL];
-            float e[QB_C][NT], sx[QB_C][NT];
-            uint2 sbv[QB_C][1];
-#pragma unroll
-            for (int r = 0; r < QB_C; r++)
-                qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq[r], e[r], sx[r], w[r][0],
-                                           sbv[r][0]);
-#pragma unroll
-            for (int r = 0; r < QB_C; r++) q_mma_group<BITS, GS, NT, 1>(w[r], sbv[r], bq[r], e[r], sx[r], SBF, yv);
         } else {
+            /* the stage's records two at a time: both records' loads first, then the groups in
+             * order (the MMA chains of the two overlap; the sums into yv keep their order) */
+            int r = 0;
 #pragma unroll 1
-            for (int r = 0; r < n; r++) {
+            for (; r + 2 <= n; r += 2) {
+                uint32_t bq[2][NT][KBG][2], w[2][1][WPL];
+                float e[2][NT], sx[2][NT];
+                uint2 sbv[2][1];
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    qb_load_step<BITS, GS, NT>(qsm, stp, r + h, QC, lane, g, ba, ea, A, bq[h], e[h], sx[h], w[h][0],
+                                               sbv[h][0]);
+#pragma unroll
+                for (int h = 0; h < 2; h++) q_mma_group<BITS, GS, NT, 1>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
+            }
+            if (r < n) {
                 uint32_t bq[NT][KBG][2], w[1][WPL];
                 float e[NT], sx[NT];
                 uint2 sbv[1];
-                qb_load_step<BITS, GS, NT>(qsm, stp, r, QB_C, lane, g, ba, ea, bst, est, bq, e, sx, w[0], sbv[0]);
+                qb_load_step<BITS, GS, NT>(qsm, stp, r, QC, lane, g, ba, ea, A, bq, e, sx, w[0], sbv[0]);
                 q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
             }
         }
@@ -1466,11 +1542,12 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const dfk
 
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
-template <int BITS, int GS, int NT, int SBF, int NS>
+template <int BITS, int GS, int NT, int SBF, int NS, int QC>
 __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qbulk<C::WPL, NS> B;
+    typedef qbulk<C::WPL, NS, QC> B;
     __shared__ float red[8][NT * 2][32];
+    __shared__ qb_jump jump[8];
     extern __shared__ __align__(128) unsigned char qsm[];
     const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
@@ -1482,8 +1559,10 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
     const uint32_t bar0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(8 * B::RING) + (uint32_t)(warp * NS * 8);
     const uint32_t zero = (uint32_t)P.ring_off - 64u; /* byte offset in qsm */
     if (threadIdx.x < 16) reinterpret_cast<uint32_t *>(qsm + P.ring_off - 64)[threadIdx.x] = 0u;
+    const uint32_t ibar = smem0 + (uint32_t)P.ring_off + (uint32_t)(8 * B::RING + 8 * NS * 8); /* the input copy's */
     if (lane == 0) {
         for (int s = 0; s < NS; s++) mbar_init(bar0 + (uint32_t)(8 * s), 1u);
+        if (warp == 0) mbar_init(ibar, 1u); /* its first use is after a CTA barrier */
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncwarp();
@@ -1491,27 +1570,42 @@ __global__ void __launch_bounds__(256, NT == 1 ? QB_MINB : 2) k_lin_qb(const __g
      * depend on it) */
     qb_cur cur;
     if (lane == 0) {
-        qb_cur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, cur);
+        qb_cur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, cur, jump[warp]);
         for (int s = 0; s < NS; s++)
-            qb_issue<BITS, GS>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur);
+            qb_issue<BITS, GS, QC>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur,
+                                   jump[warp]);
     }
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
-    int staged = -1, di = 0, stage = 0;
-    unsigned parity = 0;
+    /* the linear of the current unit (di; its units end at lin_end) and what its units share:
+     * this warp's K-slice kw of KW = 2^kwl, its records per unit nj, its first tile less the
+     * linear's first unit's (tbase), and the input's addresses A */
+    int staged = -1, di = -1, lin_end = 0, stage = 0, kwl = 0, kw = 0, tiles = 0, nj = 0, tbase = 0;
+    unsigned parity = 0, iparity = 0;
     const int M = P.M;
     for (int u = u_begin; u < u_end; u++) {
-        while (di + 1 < P.n && u >= P.start[di + 1]) di++;
+        if (u >= lin_end) {
+            do {
+                di++;
+            } while (u >= P.start[di + 1]); /* u < P.start[P.n] */
+            const dfk_qlin &L = P.d[di];
+            const int ng = L.cols / GS;
+            kwl = P.kwl[di];
+            kw = warp & ((1 << kwl) - 1);
+            tiles = (L.rows + 15) / 16;
+            nj = kw < ng ? (ng - kw + (1 << kwl) - 1) >> kwl : 0;
+            tbase = (warp >> kwl) - (P.start[di] << (3 - kwl));
+            lin_end = P.start[di + 1];
+            qb_stage_input(L, M, GS, qsm, smem0, ibar, iparity, di, staged,
+                           ((unsigned)(M * ng * 4) + 15u) & ~15u);
+        }
         const dfk_qlin &L = P.d[di];
-        const int kwl = P.kwl[di], KW = 1 << kwl, kw = warp & (KW - 1), ng = L.cols / GS, tiles = (L.rows + 15) / 16;
-        const int tile0 = ((u - P.start[di]) << (3 - kwl)) + (warp >> kwl);
+        const int tile0 = (u << (3 - kwl)) + tbase;
         const bool tvalid[1] = {tile0 < tiles};
-        const int nj = (tvalid[0] && kw < ng) ? (ng - kw + KW - 1) >> kwl : 0;
-        qb_stage_input(L, M, GS, qsm, di, staged);
         float yv[1][NT][2];
-        qb_unit_steps<BITS, GS, NT, SBF, NS>(P, L, kwl, warp, lane, nj, qsm, smem0, ring0, bar0, zero, stage, parity, yv,
-                                             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS>(P, u_end, warp, st, bar, cur); });
-        q_finish<NT, 1>(L, red, yv, KW, kw, warp, lane, g, t, M, tile0, tvalid);
+        qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0, bar0, stage, parity, yv,
+                                             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
+        q_finish<NT, 1>(L, red, yv, 1 << kwl, kw, warp, lane, g, t, M, tile0, tvalid);
     }
     if (threadIdx.x == 0 && g_tr_buf) { /* trace: the units' end; aux = the launch's weight KiB */
         size_t wb = 0;
@@ -1633,51 +1727,72 @@ static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
 
 /* The dynamic shared memory of a k_lin_qb launch with NS ring stages (in: the input copy's
  * bytes, rounded up to 128) and its kernel. */
-template <int BITS, int GS, int NT, int NS>
+template <int BITS, int GS, int NT, int NS, int QC>
 static size_t qb_smem(size_t in) {
-    return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS>::BYTES; /* the zero record in the last 64 bytes before the rings */
+    return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS, QC>::BYTES; /* the zero record in the last 64 bytes before the rings */
 }
-template <int BITS, int GS, int NT, int NS>
+template <int BITS, int GS, int NT, int NS, int QC>
 static void (*qb_kernel(int sb_bf16))(qlaunch) {
-    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS> : k_lin_qb<BITS, GS, NT, 0, NS>;
+    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC> : k_lin_qb<BITS, GS, NT, 0, NS, QC>;
+}
+
+static int g_q_diag = 0;
+/* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..3 = qb_shape 0..2
+ * (dfk_set_q_stage) */
+static int g_q_stage[2] = {0, 0};
+extern "C" void dfk_set_q_stage(int which) {
+    const int a = which >= 10 ? which / 10 : which, b = which >= 10 ? which % 10 : which;
+    g_q_stage[0] = a >= 0 && a <= 3 ? a : 0;
+    g_q_stage[1] = b >= 0 && b <= 3 ? b : 0;
+}
+extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 6; }
+/* Ring shape I (0..2) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
+ * per warp NS; one n-tile 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2. Its kernel and
+ * its dynamic shared memory for an input copy of `in` bytes. */
+template <int NT, int I>
+struct qb_shape {
+    static constexpr int QC = NT == 1 ? (I == 0 ? 8 : (I == 1 ? 6 : 2)) : (I == 0 ? 4 : 2);
+    static constexpr int NS = NT == 1 ? (I == 2 ? 3 : 2) : (I == 1 ? 3 : 2);
+};
+template <int BITS, int GS, int NT, int I>
+static void qb_shape_kernel(int sb_bf16, size_t in, void (*&kern)(qlaunch), size_t &smem) {
+    typedef qb_shape<NT, I> S;
+    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16);
+    smem = qb_smem<BITS, GS, NT, S::NS, S::QC>(in);
 }
 
 /* k_lin_qb on a persistent grid (q_grid), when the input copy fits in shared memory beside the
- * rings; returns 0 (and launches nothing) when it does not. Two n-tiles (5..8 rows) take 3 ring
- * stages, or 2 where that lets two CTAs share an SM instead of one (8 rows of 5120 columns: the
- * ring depth never changes the arithmetic; dfk_set_q_shallow). */
-static int g_q_shallow = 1;
-static int g_q_diag = 0;
-extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 6; }
-extern "C" void dfk_set_q_shallow(int on) { g_q_shallow = on != 0; }
+ * rings; returns 0 (and launches nothing) when it does not. The ring shape is the first of
+ * qb_shape's that gives the most CTAs per SM (or the one dfk_set_q_stage names): the shape never
+ * changes the arithmetic. */
 template <int BITS, int GS, int NT>
 static int launch_qb(qlaunch P, unsigned units, int *st) {
-    constexpr int NS = qb_ns<NT>::N;
     size_t in = 0;
     for (int i = 0; i < P.n; i++) {
-        const size_t b = q_smem_bytes(P.M, P.d[i].cols, GS);
+        const size_t b = qb_in_bytes(P.M, P.d[i].cols, GS);
         if (b > in) in = b;
     }
     in = (in + 127) & ~(size_t)127;
-    size_t smem = qb_smem<BITS, GS, NT, NS>(in);
-    if (smem > QR_SMEM_MAX || in > g_qsmem_max) return 0;
-    P.ring_off = (int)(in + 128);
-    void (*kern)(qlaunch) = qb_kernel<BITS, GS, NT, NS>(P.sb_bf16);
-    static q_occ occ[2], occ2[2];
-    int per_sm = q_occupancy(kern, smem, occ[P.sb_bf16 ? 1 : 0]);
-    if constexpr (NT == 2) {
-        if (per_sm < 2 && g_q_shallow) {
-            const size_t smem2 = qb_smem<BITS, GS, NT, 2>(in);
-            void (*kern2)(qlaunch) = qb_kernel<BITS, GS, NT, 2>(P.sb_bf16);
-            const int per2 = q_occupancy(kern2, smem2, occ2[P.sb_bf16 ? 1 : 0]);
-            if (per2 > per_sm) {
-                kern = kern2;
-                smem = smem2;
-                per_sm = per2;
-            }
+    if (in > g_qsmem_max) return 0;
+    void (*kern[3])(qlaunch);
+    size_t smem[3];
+    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, in, kern[0], smem[0]);
+    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, in, kern[1], smem[1]);
+    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, in, kern[2], smem[2]);
+    static q_occ occ[3][2];
+    int best = -1, best_per = 0;
+    for (int i = 0; i < 3; i++) {
+        const int want = g_q_stage[NT - 1];
+        if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
+        const int per = q_occupancy(kern[i], smem[i], occ[i][P.sb_bf16 ? 1 : 0]);
+        if (per > best_per) {
+            best = i;
+            best_per = per;
         }
     }
-    *st = launch_pdl(kern, dim3(q_grid(P, units, per_sm)), dim3(256), smem, P);
+    if (best < 0) return 0;
+    P.ring_off = (int)(in + 128);
+    *st = launch_pdl(kern[best], dim3(q_grid(P, units, best_per)), dim3(256), smem[best], P);
     return 1;
 }
 
