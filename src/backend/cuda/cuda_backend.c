@@ -325,15 +325,13 @@ static int choose_kw(int rows, int ng) {
     return kw;
 }
 
-/* K-slices of the fixed-point linear, from the shape alone (so the bits are the same on every
- * GPU and for every M): enough warps for the whole GPU (about 2048: 16-row tiles x slices)
- * while each warp keeps >= 4 groups to stream. A constant, not the device's SM count. Measured
- * on the H200 against a fixed 8 or 4 slices for every shape: 135.9 vs 109.0 / 124.3 tok/s. */
 /* K-slices of a fixed-point weight: a function of its shape (and of the kernel, fixed per
- * backend), never of M. The ring kernel (units: 8/KW tiles, one per warp) takes the fewest
- * slices that still give about 12800 warp-tiles (enough units to balance its persistent grid
- * over the device), at most 8 and of at least 4 groups each; the register kernel keeps
- * tiles × slices below 2048 (its units are CTAs). */
+ * backend), never of M, so the bits are the same on every GPU and for every M. The ring kernel
+ * (units: 8/KW tiles, one per warp) takes the fewest slices that still give about 12800
+ * warp-tiles (enough units to balance its persistent grid over the device), at most 8 and of at
+ * least 8 groups each (a unit's fixed costs spread over more records; measured on the H200
+ * against 4 groups: t(8) 9.51 against 10.19 ms, plain decoding the same); the register kernel
+ * keeps tiles × slices below 2048 (its units are CTAs). */
 static int choose_kw_q(int rows, int ng, int ring) {
     const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */
     if (force && (atoi(force) == 1 || atoi(force) == 2 || atoi(force) == 4 || atoi(force) == 8) && atoi(force) <= ng)
@@ -341,7 +339,7 @@ static int choose_kw_q(int rows, int ng, int ring) {
     const char *cap = getenv("DFLASH_CUDA_KW_MAX"); /* experiments only: at most this many slices */
     const int kmax = cap && atoi(cap) >= 1 && atoi(cap) <= 8 ? atoi(cap) : 8;
     const char *mg = getenv("DFLASH_CUDA_KW_GROUPS"); /* experiments only: groups per slice at least */
-    const int gmin = mg && atoi(mg) >= 1 && atoi(mg) <= 64 ? atoi(mg) : 4;
+    const int gmin = mg && atoi(mg) >= 1 && atoi(mg) <= 64 ? atoi(mg) : 8;
     const int tiles = (rows + 15) / 16;
     int kw = 1;
     while (kw < kmax && (ring ? tiles * kw < 12800 : tiles * kw < 2048) && ng / (2 * kw) >= gmin) kw *= 2;
