@@ -664,6 +664,11 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
     }
 }
 
+/* Accumulator chains of q_mma_group (measured on the H200: see docs/PERFORMANCE.md). */
+#ifndef QCH
+#define QCH 1
+#endif
+
 /* One group's MMAs and epilogue for TR tiles and NT n-tiles (file comment): the codes w of
  * each tile (this lane's words), its scale/bias word pair sbv, the B fragments bq and the
  * rows' 2^E and S·2^E; adds the group's terms to yv in the fixed order. */
@@ -675,11 +680,12 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
                                                    float (&yv)[TR][NT][2]) {
     typedef qcfg<BITS, GS, NT, TR> C;
     constexpr int KBG = C::KBG, RPW = C::RPW;
-    /* two accumulator chains (even and odd k-blocks: shorter dependency chains of MMAs); the
-     * integer sums are exact, so their order does not matter */
-    int D[2][TR][NT][4];
+    /* QCH accumulator chains (k-block kb into chain kb % QCH: shorter dependency chains of
+     * MMAs, at the cost of adding the chains); the integer sums are exact, so their order does
+     * not matter */
+    int D[QCH][TR][NT][4];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < QCH; h++)
 #pragma unroll
         for (int tr = 0; tr < TR; tr++)
 #pragma unroll
@@ -695,7 +701,7 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
                 a[j] = (w[tr][wi] >> (BITS * (j % RPW))) & C::MASK;
             }
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) imma(D[kb & 1][tr][nt], a, bq[nt][kb]);
+            for (int nt = 0; nt < NT; nt++) imma(D[kb % QCH][tr][nt], a, bq[nt][kb]);
         }
     /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the planes
      * combine exactly: D = 256·high + low; y += b·S·2^E, then y += s·(D·2^E), both fused
@@ -707,8 +713,14 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
         const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = q_h16(sbv[tr].y >> 16, sb_bf16);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const int d0 = (D[0][tr][nt][0] + D[1][tr][nt][0]) * 256 + (D[0][tr][nt][1] + D[1][tr][nt][1]);
-            const int d1 = (D[0][tr][nt][2] + D[1][tr][nt][2]) * 256 + (D[0][tr][nt][3] + D[1][tr][nt][3]);
+            int c[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                c[i] = D[0][tr][nt][i];
+#pragma unroll
+                for (int h = 1; h < QCH; h++) c[i] += D[h][tr][nt][i];
+            }
+            const int d0 = c[0] * 256 + c[1], d1 = c[2] * 256 + c[3];
             const float e = xe[nt], sx = xs[nt];
             yv[tr][nt][0] = fmaf(s0, (float)d0 * e, fmaf(b0, sx, yv[tr][nt][0]));
             yv[tr][nt][1] = fmaf(s1, (float)d1 * e, fmaf(b1, sx, yv[tr][nt][1]));
