@@ -1255,7 +1255,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
  * next unit's run by two pointer increments (the search only at a linear's last unit). */
 
 /* Resident CTAs per SM asked of the compiler for one n-tile (registers for three), but for the
- * 8 x 2 ring, which leaves room for two at most (qb_shape). */
+ * 8 x 2 and 6 x 2 rings, which leave room for two at most where qb_shape picks them. */
 #define QB_MINB 3
 
 /* The ring of k_lin_qb: NS stages per warp of up to QC records each (qb_shape), by bulk copies
@@ -1556,7 +1556,7 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
 template <int BITS, int GS, int NT, int SBF, int NS, int QC>
-__global__ void __launch_bounds__(256, NT == 1 && QC < 8 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
+__global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
     typedef qbulk<C::WPL, NS, QC> B;
     __shared__ float red[8][NT * 2][32];
