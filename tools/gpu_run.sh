@@ -7,10 +7,9 @@
 # it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k),
 # trace (the kernel timeline of a decode step and of verify passes: tools/trace_report.py),
 # ab (plain decoding of VARIANTS alternating; a variant with BASE=1 runs the baseline binary),
-# short (final's bench at block 4 only, 3 identity
-# prompts). Library packages come from ../.gpu-deps (Debian .debs,
-# unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU machine with nvcc 13.0),
-# else built here. Logs go to $OUT.
+# short (final's bench at block 4 only, 3 identity prompts). Library packages come from
+# ../.gpu-deps (Debian .debs, unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU
+# machine with nvcc 13.0), else built here. Logs go to $OUT.
 set -u
 ROOT=$(cd .. && pwd)
 OUT=${OUT:-/tmp/gpu-out}

@@ -330,7 +330,7 @@ static int choose_kw(int rows, int ng) {
  * (units: 8/KW tiles, one per warp) takes the fewest slices that still give about 12800
  * warp-tiles (enough units to balance its persistent grid over the device), at most 8 and of at
  * least 8 groups each (a unit's fixed costs spread over more records; measured on the H200
- * against 4 groups: t(8) 9.51 against 10.19 ms, plain decoding the same); the register kernel
+ * against 4 groups: t(8) 9.75 against 10.19 ms, plain decoding the same); the register kernel
  * keeps tiles × slices below 2048 (its units are CTAs). */
 static int choose_kw_q(int rows, int ng, int ring) {
     const char *force = getenv("DFLASH_CUDA_KW"); /* experiments only: fixed for the process */

@@ -192,12 +192,10 @@ void dfk_set_pdl(int on);
  * holds at once, units split as evenly as they go; 0 the fewest CTAs that give each the same
  * number of units. Which CTA runs a unit never changes its bits. */
 void dfk_set_q_full_grid(int on);
-/* 1 (default): launches of 5..8 rows whose 3-stage rings leave one CTA per SM take 2-stage rings
- * when that fits two; 0: always 3. The ring depth never changes the bits. */
-/* The ring shape of k_lin_qb (scheduling only, never the bits): 0 = the first of its shapes
- * that keeps two CTAs per SM, or the most any gives (default); 1, 2, 3 = that shape (one n-tile: 8 x 2, 6 x 2,
- * 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3, 2 x 2) where it fits; 10·a + b:
- * a for one n-tile (1..4 rows), b for two (5..8 rows). */
+/* The ring shape of k_lin_qb (scheduling only, never the bits): 0 = the first of its shapes that
+ * keeps two CTAs per SM, or the most any gives (default); 1, 2, 3 = that shape where it fits (one
+ * n-tile: 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3, 2 x 2);
+ * 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
 void dfk_set_q_stage(int which);
 /* Timing experiments of the bulk-copy fixed-point linear (0 = none, the default): bits 1 and 2
  * skip the arithmetic and the scale/bias copies (wrong outputs: timing only). */

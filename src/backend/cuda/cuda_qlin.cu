@@ -664,7 +664,9 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
     }
 }
 
-/* Accumulator chains of q_mma_group (measured on the H200: see docs/PERFORMANCE.md). */
+/* Accumulator chains of q_mma_group: one (measured on the H200 against two, plain decoding:
+ * 178.6-183.0 against 176.4-177.6 tok/s; the MMA chains of a stage's two records overlap). A
+ * compile-time choice (-DQCH=2) for experiments; the bits are the same either way. */
 #ifndef QCH
 #define QCH 1
 #endif
