@@ -42,7 +42,7 @@ char *df_metrics_render(df_server *srv) {
         double v;
     } rows[] = {
         {"dflash_errors_total", "counter",
-         "Answers with an error status (4xx/5xx, client hang-ups excluded) and streams ended by an error event.",
+         "Answers with an error status (4xx/5xx; client hang-ups and /health's not-ready 503 excluded) and streams ended by an error event.",
          (double)m.errors},
         {"dflash_cancelled_total", "counter", "Generations stopped because the client went away.", (double)m.cancelled},
         {"dflash_prompt_tokens_total", "counter", "Prompt tokens prefilled.", (double)m.prompt_tokens},

@@ -618,11 +618,12 @@ static df_route_label classify(const char *path) {
     return DF_ROUTE_OTHER;
 }
 
-/* The end line of a request that ran no generation (and its count in the metrics). */
+/* The end line of a request that ran no generation (and its count in the metrics). /health's
+ * 503 reports the server's state (loading, stopping) and is not counted as an error. */
 static void log_simple(df_server *srv, const df_http_request *req, df_route_label route, const df_http_response *r,
                        const struct timespec *t0) {
     df_metrics_request(&srv->metrics, route, r->status);
-    if (r->status >= 400) {
+    if (r->status >= 400 && !(route == DF_ROUTE_HEALTH && r->status == 503)) {
         pthread_mutex_lock(&srv->metrics.lock);
         srv->metrics.errors++;
         pthread_mutex_unlock(&srv->metrics.lock);

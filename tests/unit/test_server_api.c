@@ -73,6 +73,8 @@ static void test_loading_state(void **state) {
     assert_int_equal(r.status, 200);
     assert_non_null(strstr(r.body, "dflash_model_loaded 0\n"));
     assert_non_null(strstr(r.body, "dflash_requests_total{route=\"/health\",status=\"503\"} 1\n"));
+    /* the completion's 503 is an error; /health's 503 is the state it reports */
+    assert_non_null(strstr(r.body, "\ndflash_errors_total 1\n"));
     df_http_response_free(&r);
 
     r = call(srv, "GET", "/v1/chat/completions", NULL, NULL);
