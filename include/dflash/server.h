@@ -155,6 +155,9 @@ typedef struct df_http_request {
     int client_fd;               /* the client's socket, polled for hang-ups (the server
                                     dup()s it while generating); -1 = none */
     const char *client;          /* client address for the log, or NULL */
+    const struct timespec *began; /* CLOCK_MONOTONIC time its deadline started (the connection's
+                                    opening or the end of its previous answer), from which the
+                                    log times a timed-out request; NULL = when handled */
 } df_http_request;
 
 /* A streamed answer (Server-Sent Events). */

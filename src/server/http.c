@@ -46,6 +46,7 @@ typedef struct conn_ctx {
     size_t received;        /* all body bytes seen, kept or not */
     int too_large;
     int timed_out;          /* the request was not received within request_timeout_s */
+    struct timespec since;    /* when request_timeout_s started for this request */
     struct timespec deadline; /* when request_timeout_s runs out for this request */
     int timeout_off;        /* the idle timeout is suspended while the answer is produced */
     struct MHD_Connection *conn;
@@ -106,7 +107,8 @@ static void send_timeout_answer(int fd, const df_http_response *r) {
  * (the descriptor is still c's own), after the connection's thread had not claimed the answer
  * (that thread, blocked reading the body, writes nothing meanwhile; claim_answer then fails). */
 static void answer_stalled_body(df_server *srv, sock_ctx *c) {
-    df_http_request req = {.method = c->method, .path = c->path, .timed_out = 1, .client_fd = -1, .client = c->client};
+    df_http_request req = {
+        .method = c->method, .path = c->path, .timed_out = 1, .client_fd = -1, .client = c->client, .began = &c->since};
     df_http_response r;
     df_server_handle(srv, &req, &r);
     if (r.body) send_timeout_answer(c->fd, &r);
@@ -222,6 +224,7 @@ static void request_begins(df_server *srv, conn_ctx *ctx, const char *url, const
         since = c->since;
         pthread_mutex_unlock(&w->lock);
     }
+    ctx->since = since;
     ctx->deadline = deadline_after(&since, srv->opt.request_timeout_s);
 }
 
@@ -369,7 +372,8 @@ static enum MHD_Result answer_timed_out_body(df_server *srv, conn_ctx *ctx, cons
     ctx->timed_out = 1;
     char client[64];
     client_address(ctx->conn, client, sizeof client);
-    df_http_request req = {.method = method, .path = url, .timed_out = 1, .client_fd = -1, .client = client};
+    df_http_request req = {
+        .method = method, .path = url, .timed_out = 1, .client_fd = -1, .client = client, .began = &ctx->since};
     df_http_response r;
     df_server_handle(srv, &req, &r);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(ctx->conn, MHD_CONNECTION_INFO_CONNECTION_FD);

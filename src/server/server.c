@@ -696,5 +696,5 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
         df_api_error_set(&e, 404, "invalid_request_error", "not_found", NULL, "Unknown route: %s %s", pm, pp);
         set_error(resp, &e);
     }
-    log_simple(srv, req, route, resp, &t0);
+    log_simple(srv, req, route, resp, req->timed_out && req->began ? req->began : &t0);
 }

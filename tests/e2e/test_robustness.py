@@ -7,6 +7,7 @@ sanitized binary: any report fails the clean-exit check at the end.
 """
 import gzip
 import json
+import re
 import select
 import socket
 import threading
@@ -437,6 +438,8 @@ def test_slow_senders_get_a_deadline():
         assert out.startswith(b"HTTP/1.1 408 "), out
         assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
         assert 1.5 < took < 6 * SLOW, took
+        ms = float(re.search(r" POST /v1/completions 408 ([0-9.]+)ms", wait_for_log(s, " 408 ")).group(1))
+        assert 1500 < ms < 6 * SLOW * 1000, ms
         with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
             out, took = trickle(c, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 40, 0.25)
         assert b" 200 " not in out and took < 6 * SLOW, (out, took)
@@ -504,6 +507,9 @@ def test_stalled_body_and_idle_keepalive_end_at_the_request_timeout():
         assert 2.5 < took < 3 + 3 * SLOW, took
         log = wait_for_log(s, "answered 408 and closed 1 connection whose request body was incomplete after 3 s")
         assert " POST /v1/completions 408 " in log and "http: Connection socket is closed" not in log, log
+        # the 408's line times the request from its deadline's start, not from the answer
+        ms = float(re.search(r" POST /v1/completions 408 ([0-9.]+)ms", log).group(1))
+        assert 2500 < ms < (3 + 3 * SLOW) * 1000, log
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
             c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             out = c.recv(65536)
