@@ -95,3 +95,23 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
     json_decref(root);
     return rc;
 }
+
+void cli_note_ignored_fields(const char *cmd, const char *path, json_t *root) {
+    /* what generate applies: the prompt's fields (rendered) and the sampling fields */
+    static const char *const applied[] = {
+        "messages", "tools", "tool_choice", "enable_thinking", "chat_template_kwargs", "temperature", "top_p",
+        "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens", "stop", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "logit_bias"};
+    char list[512] = "";
+    size_t len = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v) {
+        int known = 0;
+        for (size_t i = 0; i < sizeof applied / sizeof applied[0] && !known; i++) known = strcmp(key, applied[i]) == 0;
+        if (known || len + 8 >= sizeof list) continue;
+        int n = snprintf(list + len, sizeof list - len, "%s%.64s", len ? ", " : "", key);
+        if (n > 0) len += (size_t)n < sizeof list - len ? (size_t)n : sizeof list - len - 1;
+    }
+    if (len) fprintf(stderr, "dflash %s: note: %s: fields that only the server acts on are ignored: %s\n", cmd, path, list);
+}

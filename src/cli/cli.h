@@ -108,6 +108,11 @@ void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(prin
 struct df_api_request;
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab,
                           struct df_api_request *req);
+/* Prints a note to stderr naming the top-level fields of the chat request root (a jansson
+ * object) that `dflash generate` does not apply (stream, logprobs, n, model, ...); nothing
+ * when there are none. */
+struct json_t;
+void cli_note_ignored_fields(const char *cmd, const char *path, struct json_t *root);
 
 /* The speculative decoding options shared by generate and serve (cli_opt table entries):
  * drafter (const char *), spec (df_spec_params), window (int), no_draft (int), quant (int). */

@@ -250,6 +250,15 @@ int cmd_generate(int argc, char **argv) {
             (json_is_integer(v = json_object_get(req.root, "max_completion_tokens")) ||
              json_is_integer(v = json_object_get(req.root, "max_tokens"))))
             max_tokens = (int)json_integer_value(v);
+        /* the logit processors (no command-line options): as the request sets them */
+        if (json_object_get(req.root, "repetition_penalty")) sp.repetition_penalty = req.gen.sampling.repetition_penalty;
+        if (json_object_get(req.root, "presence_penalty")) sp.presence_penalty = req.gen.sampling.presence_penalty;
+        if (json_object_get(req.root, "frequency_penalty")) sp.frequency_penalty = req.gen.sampling.frequency_penalty;
+        if (req.gen.sampling.n_logit_bias > 0) {
+            sp.logit_bias = req.gen.sampling.logit_bias; /* owned by req, freed at the end */
+            sp.n_logit_bias = req.gen.sampling.n_logit_bias;
+        }
+        cli_note_ignored_fields("generate", messages, req.root);
         if (!cli_find(&cmd, "stop")->given) {
             v = json_object_get(req.root, "stop");
             if (json_is_string(v) && json_string_length(v) > 0 && stop.n < DF_MAX_STOP)
@@ -283,7 +292,8 @@ int cmd_generate(int argc, char **argv) {
     gp.should_stop = prefill_interrupted;
     int speculative = ds && !no_draft && sp.temperature == 0.0f && !df_sampling_has_processors(&sp);
     if (ds && !no_draft && !speculative)
-        fprintf(stderr, "dflash generate: sampling (temperature > 0) is decoded plainly; speculative decoding is greedy only\n");
+        fprintf(stderr, "dflash generate: %s is decoded plainly; speculative decoding is greedy only\n",
+                sp.temperature != 0.0f ? "sampling (temperature > 0)" : "a request with logit processors (penalties, logit_bias)");
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

@@ -572,6 +572,26 @@ def test_messages_file_sampling_fields_apply(tmp_path):
     assert len(json.loads(p2.stdout)["ids"]) <= 5
 
 
+def test_messages_file_logit_processors_apply_and_server_fields_are_noted(tmp_path):
+    """The request file's logit_bias and penalties apply as on the server; fields that only the
+    server acts on (stream, logprobs, model, ...) are named in a note on stderr."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    plain = json.loads(run_cli("generate", *model_args(), "--messages", str(write_json(tmp_path, "a.json", base)),
+                               "--json", check=True).stdout)
+    banned = plain["ids"][0]
+    req = write_json(tmp_path, "b.json", {**base, "logit_bias": {str(banned): -100}, "stream": True,
+                                          "logprobs": True, "model": "nope"})
+    p = run_cli("generate", *model_args(), "--messages", str(req), "--json", check=True)
+    out = json.loads(p.stdout)
+    assert banned not in out["ids"], (banned, out["ids"])
+    note = [l.split("are ignored: ", 1)[1].split(", ") for l in p.stderr.splitlines() if "only the server acts on" in l]
+    assert note and sorted(note[0]) == ["logprobs", "model", "stream"], p.stderr
+    # a file of applied fields only prints no note
+    p = run_cli("generate", *model_args(), "--messages",
+                str(write_json(tmp_path, "c.json", {**base, "presence_penalty": 2.0})), "--json", check=True)
+    assert "only the server acts on" not in p.stderr, p.stderr
+
+
 def test_bench_plain_run_ended_by_eos(tmp_path):
     """An EOS id that ends bench's plain run is reported, and the synthetic-acceptance runs (which
     replay the plain run's ids) are skipped rather than fed ids past its end."""
