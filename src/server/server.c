@@ -285,8 +285,9 @@ static int authorized(const df_server *srv, const char *header) {
     if (!srv->api_key) return 1;
     if (!header || strncasecmp(header, "Bearer ", 7) != 0) return 0;
     const char *given = header + 7;
-    while (*given == ' ') given++;
+    while (*given == ' ' || *given == '\t') given++;
     size_t n = strlen(given), m = strlen(srv->api_key);
+    while (n > 0 && (given[n - 1] == ' ' || given[n - 1] == '\t')) n--; /* optional whitespace (RFC 9110 5.5) */
     unsigned char diff = (unsigned char)(n != m);
     for (size_t i = 0; i < n; i++) diff |= (unsigned char)given[i] ^ (unsigned char)srv->api_key[i % m];
     return diff == 0;
