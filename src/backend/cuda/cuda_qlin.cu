@@ -1268,7 +1268,7 @@ template <int WPL, int NS, int QC>
 struct qbulk {
     static constexpr int CB = WPL * 128;         /* code bytes of a record (32 lanes x WPL words) */
     static constexpr int STAGE = QC * (CB + 64); /* QC records' codes, then their 64-byte sb rows */
-    static constexpr int RING = NS * STAGE;        /* per warp */
+    static constexpr int RING = NS * STAGE;      /* per warp */
     static constexpr int BYTES = 8 * RING + 8 * NS * 8 + 16; /* 8 warps' rings, their mbarriers, the input copy's */
 };
 
@@ -1337,7 +1337,7 @@ static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int
 
 /* Bytes of the prepared input of M rows of `cols` columns in k_lin_qb's shared memory: the
  * planes, then 2^E and then S·2^E per (row, group), each of the two arrays padded to 16 bytes
- * (qb_in_layout). */
+ * (qb_stage_input; the padding is computed there, in qb_lin_of and in k_lin_qb as well). */
 static __host__ __device__ __forceinline__ size_t qb_in_bytes(int M, int cols, int gs) {
     const size_t ne = (size_t)M * (size_t)(cols / gs) * 4;
     return (size_t)M * 2 * (size_t)cols + 2 * ((ne + 15) & ~(size_t)15);
@@ -1420,9 +1420,9 @@ struct qb_lin {
     uint32_t ba[NT], ea[NT], bst[NT], est[NT], sxo;
 };
 
-/* qb_lin for warp K-slice kw of KW, linear L of `ng` groups, M rows. Lanes of data rows >= M
- * read the zero record (at byte zero) for their B fragments, so their products are zero, and
- * row 0's 2^E and S·2^E (finite values; those rows' outputs are never stored). */
+/* qb_lin for warp K-slice kw of KW, a linear of `cols` columns, M rows. Lanes of data rows >= M
+ * read the zero record (at byte offset zero) for their B fragments, so their products are zero,
+ * and row 0's 2^E and S·2^E (finite values; those rows' outputs are never stored). */
 template <int GS, int NT>
 static __device__ __forceinline__ qb_lin<NT> qb_lin_of(int M, int cols, int kw, int KW, int lane, uint32_t zero) {
     constexpr int KBG = GS / 32;
@@ -1443,12 +1443,13 @@ static __device__ __forceinline__ qb_lin<NT> qb_lin_of(int M, int cols, int kw, 
 
 /* Step r of a ring stage (stp: the stage; C records per stage): this lane's B fragments and
  * 2^E, S·2^E at byte offsets ba, ea, ea + A.sxo of qsm (ba, ea advanced by A.bst, A.est), its
- * code words and its scale/bias pair. Plain loads: they stay after the stage's barrier wait (whose asm clobbers
- * memory), and the compiler may move them ahead of an earlier step's MMAs. */
+ * code words and its scale/bias pair. Plain loads: they stay after the stage's barrier wait
+ * (whose asm clobbers memory), and the compiler may move them ahead of an earlier step's MMAs. */
 template <int BITS, int GS, int NT>
 static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, const unsigned char *stp, int r, int C,
                                                     int lane, int g, uint32_t (&ba)[NT], uint32_t (&ea)[NT],
-                                                    const qb_lin<NT> &A, uint32_t (&bq)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&e)[NT],
+                                                    const qb_lin<NT> &A,
+                                                    uint32_t (&bq)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&e)[NT],
                                                     float (&sx)[NT], uint32_t (&w)[qcfg<BITS, GS, NT, 1>::WPL],
                                                     uint2 &sbv) {
     typedef qcfg<BITS, GS, NT, 1> Q;
@@ -1594,7 +1595,8 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     /* the linear of the current unit (di; its units end at lin_end) and what its units share:
      * this warp's K-slice kw of KW = 2^kwl, its records per unit nj, its first tile less the
-     * linear's first unit's (tbase), and the input's addresses A */
+     * linear's first unit's (tbase); the input's addresses (qb_lin_of) are recomputed per unit,
+     * which costs a few instructions where keeping them took registers and spilled */
     int staged = -1, di = -1, lin_end = 0, stage = 0, kwl = 0, kw = 0, tiles = 0, nj = 0, tbase = 0;
     unsigned parity = 0, iparity = 0;
     const int M = P.M;
@@ -1618,8 +1620,10 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
         const int tile0 = (u << (3 - kwl)) + tbase;
         const bool tvalid[1] = {tile0 < tiles};
         float yv[1][NT][2];
-        qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0, bar0, stage, parity, yv,
-                                             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
+        qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(
+            P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0,
+            bar0, stage, parity, yv,
+            [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
         q_finish<NT, 1>(L, red, yv, 1 << kwl, kw, warp, lane, g, t, M, tile0, tvalid);
     }
     if (threadIdx.x == 0 && g_tr_buf) { /* trace: the units' end; aux = the launch's weight KiB */
