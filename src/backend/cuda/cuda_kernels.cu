@@ -1633,11 +1633,25 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
         if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
     for (int m0 = 0; m0 < M; m0 += GDN_RB) {
         const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
+        /* silu(z) of this warp's first row of the batch for the gated norm at the end (dv <= 256:
+         * 8 per lane at most), loaded and computed now, while the state's loads are in flight,
+         * instead of after the recurrence (the same values) */
+        float zsl[8] = {};
+        if (out && warp < nb) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int e = lane + 32 * i;
+                if (e < dv) zsl[i] = silu_f(__ldcg(&z[(size_t)(m0 + warp) * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)e]));
+            }
+        }
         if constexpr (FUSED) {
             if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
             __syncthreads();
         }
         for (int r = warp; r < nb; r += nwarps) {
+            /* this row's gate inputs first: their latency overlaps the norms' */
+            const float bin = lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
+            const float ain = lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
@@ -1666,8 +1680,8 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 }
             }
             if (lane == 0) {
-                bet[r] = sigmoid_f(__ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]));
-                dec[r] = expf(A * softplus_f(__ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) + dtb));
+                bet[r] = sigmoid_f(bin);
+                dec[r] = expf(A * softplus_f(ain + dtb));
             }
         }
         __syncthreads();
@@ -1706,9 +1720,13 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 float ss = 0.0f;
                 for (int e = lane; e < dv; e += 32) ss = ss + osm[r * dv + e] * osm[r * dv + e];
                 const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)dv + eps);
-                for (int e = lane; e < dv; e += 32) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int e = lane + 32 * i;
+                    if (e >= dv) break;
                     const size_t oi = m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)e;
-                    out[oi] = (norm_w[e] * (osm[r * dv + e] * inv)) * silu_f(__ldcg(&z[oi]));
+                    const float sz = r == warp ? zsl[i] : silu_f(__ldcg(&z[oi]));
+                    out[oi] = (norm_w[e] * (osm[r * dv + e] * inv)) * sz;
                 }
             }
         }

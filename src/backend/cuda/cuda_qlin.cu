@@ -177,35 +177,53 @@ struct qprep_args {
  * warp must call it (shuffles). */
 static __device__ __forceinline__ void q_group(const dfk_qout &O, int m, int ng, int G, int li, bool ok,
                                                const float *v) {
-    const int lpg = O.gs / 4, kbg = O.gs / 32;
+    /* gs is 64 or 128 (dfk_qout): shifts, not divisions */
+    const int lg = O.gs == 128 ? 7 : 6, lpg = 1 << (lg - 2), kbg = 1 << (lg - 5);
+    /* max |v| as the bits of the magnitudes (ordered as the floats for finite values; when one
+     * is not finite, bad is set and the max is not used) */
     int bad = 0;
-    float mx = 0.0f;
+    uint32_t amax = 0;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        if (!isfinite(v[j])) bad = 1;
-        mx = fmaxf(mx, fabsf(v[j]));
+        const uint32_t b = __float_as_uint(v[j]) & 0x7fffffffu;
+        if (b >= 0x7f800000u) bad = 1;
+        amax = b > amax ? b : amax;
     }
-    for (int off = lpg / 2; off > 0; off >>= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(QFULL, mx, off));
-        bad |= __shfl_xor_sync(QFULL, bad, off);
+    if (lpg == 32) { /* the group is the warp: one reduction instruction each */
+        amax = __reduce_max_sync(QFULL, amax);
+        bad = __any_sync(QFULL, bad);
+    } else {
+        for (int off = lpg / 2; off > 0; off >>= 1) {
+            const uint32_t o = __shfl_xor_sync(QFULL, amax, off);
+            amax = o > amax ? o : amax;
+            bad |= __shfl_xor_sync(QFULL, bad, off);
+        }
     }
+    /* E = frexp exponent of mx, minus 14: from the exponent field for a normal mx */
     int E = 0;
-    if (!bad && mx > 0.0f) {
+    if (!bad && amax != 0u) {
         int ex;
-        frexpf(mx, &ex);
+        if (amax >= 0x00800000u) ex = (int)(amax >> 23) - 126;
+        else frexpf(__uint_as_float(amax), &ex);
         E = ex - 14;
     }
+    /* v·2^−E: a product with the power of two where it is a normal float (exact scaling, or
+     * the same correctly rounded result as ldexpf), else ldexpf */
+    const int n = -E;
+    const float sc = __uint_as_float((uint32_t)(n + 127) << 23);
     int S = 0;
     uint32_t pa = 0, pb = 0;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        const int X = bad ? 0 : __float2int_rn(ldexpf(v[j], -E));
+        const int X = bad ? 0 : __float2int_rn(n <= 127 ? v[j] * sc : ldexpf(v[j], n));
         const int a = (X + 128) >> 8, b = X - a * 256;
         S += X;
         pa |= ((uint32_t)a & 0xffu) << (8 * j);
         pb |= ((uint32_t)b & 0xffu) << (8 * j);
     }
-    for (int off = lpg / 2; off > 0; off >>= 1) S += __shfl_xor_sync(QFULL, S, off);
+    if (lpg == 32) S = __reduce_add_sync(QFULL, S);
+    else
+        for (int off = lpg / 2; off > 0; off >>= 1) S += __shfl_xor_sync(QFULL, S, off);
     if (ok) {
         const int l8 = li % 8, kb = li / 8, t = l8 % 4, reg = l8 / 4;
         for (int p = 0; p < 2; p++) {
@@ -367,8 +385,8 @@ static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, float4 n
 #pragma unroll
         for (int j = 0; j < 4; j++) v[j] = v[j] * O.hscale;
     }
-    const int lpg = O.gs / 4;
-    q_group(O, m, cols / O.gs, (s0 + 4 * tid) / O.gs, tid % lpg, act, v);
+    const int lg = O.gs == 128 ? 7 : 6; /* gs is 64 or 128 */
+    q_group(O, m, cols >> lg, (s0 + 4 * tid) >> lg, tid & ((1 << (lg - 2)) - 1), act, v);
 }
 
 /* The preparation block (m, segment s0 / seg, output oi) of k_qprep_fast, by a block of 256

@@ -42,15 +42,18 @@ static __device__ __forceinline__ float dfk_row_sumsq(const float *xr, const flo
     float acc = 0.0f;
     for (int i0 = 0; i0 < cols; i0 += 24 * 256) {
         float v[24], u[24];
+        /* one base pointer and constant offsets (not an index per load): the loads' addresses
+         * take no instructions of their own */
+        const float *xp = xr + i0 + tid, *upp = ur ? ur + i0 + tid : NULL;
+        const int lim = cols - i0 - tid; /* element j * 256 of this thread exists iff j * 256 < lim */
 #pragma unroll
         for (int j = 0; j < 24; j++) {
-            const int i = i0 + j * 256 + tid;
-            v[j] = i < cols ? __ldcg(&xr[i]) : 0.0f;
-            u[j] = (ur && i < cols) ? __ldcg(&ur[i]) : 0.0f;
+            v[j] = j * 256 < lim ? __ldcg(xp + j * 256) : 0.0f;
+            u[j] = (upp && j * 256 < lim) ? __ldcg(upp + j * 256) : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < 24; j++) {
-            if (i0 + j * 256 + tid < cols) {
+            if (j * 256 < lim) {
                 const float w = ur ? dfk_silu(v[j]) * u[j] : v[j];
                 acc = acc + w * w;
             }
