@@ -389,23 +389,34 @@ static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, float4 n
     q_group(O, m, cols >> lg, (s0 + 4 * tid) >> lg, tid & ((1 << (lg - 2)) - 1), act, v);
 }
 
+/* This thread's norm weights and rotation signs of segment s0 of k_qprep_fast's block (zeros
+ * where it has none): weights, which no kernel writes, so they may be loaded before waiting
+ * for the previous kernel. */
+static __device__ __forceinline__ void q_prep_consts(const float *norm_w, const dfk_qout &O, int s0, int seg,
+                                                     float4 &nwv, float4 &sgv) {
+    nwv = sgv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (4 * (int)threadIdx.x < seg) {
+        const int e0 = s0 + 4 * (int)threadIdx.x;
+        if (norm_w) nwv = __ldg(reinterpret_cast<const float4 *>(norm_w + e0));
+        if (O.xq && O.hb > 0) sgv = __ldg(reinterpret_cast<const float4 *>(O.signs + e0));
+    }
+}
+
 /* The preparation block (m, segment s0 / seg, output oi) of k_qprep_fast, by a block of 256
- * threads (every thread calls it): the segment's loads, the row's RMSNorm scale, q_prep_seg.
- * red: 8 floats and xs: 1024 floats of shared memory (both may be reused right after). */
+ * threads (every thread calls it): the segment's loads, the row's RMSNorm scale, q_prep_seg
+ * (nwv, sgv: q_prep_consts). red: 8 floats and xs: 1024 floats of shared memory (both may be
+ * reused right after). */
 static __device__ __forceinline__ void q_prep_block(const float *x, const float *up, const float *norm_w, float eps,
                                                     int cols, int seg, float *h, const dfk_qout &O, int m, int s0,
-                                                    int oi, float *red, float *xs) {
+                                                    int oi, float *red, float *xs, float4 nwv, float4 sgv) {
     const float *xr = x + (size_t)m * (size_t)cols;
     const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
-    /* the segment's loads (and its norm weights and signs) first: their latency overlaps the
-     * row sum's */
-    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), uv = xv, nwv = xv, sgv = xv;
+    /* the segment's loads first: their latency overlaps the row sum's */
+    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), uv = xv;
     if (4 * (int)threadIdx.x < seg) {
         const int e0 = s0 + 4 * (int)threadIdx.x;
         xv = __ldcg(reinterpret_cast<const float4 *>(xr + e0));
         if (ur) uv = __ldcg(reinterpret_cast<const float4 *>(ur + e0));
-        if (norm_w) nwv = __ldg(reinterpret_cast<const float4 *>(norm_w + e0));
-        if (O.xq && O.hb > 0) sgv = __ldg(reinterpret_cast<const float4 *>(O.signs + e0));
     }
     const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
     q_prep_seg(xv, uv, nwv, sgv, ur != NULL, norm_w, inv, cols, s0, seg,
@@ -419,9 +430,12 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     __shared__ float xs[1024];
     const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
+    float4 nwv, sgv;
+    q_prep_consts(norm_w, P.o[blockIdx.z], blockIdx.y * seg, seg, nwv, sgv);
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
-    q_prep_block(x, up, norm_w, eps, cols, seg, h, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red, xs);
+    q_prep_block(x, up, norm_w, eps, cols, seg, h, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red, xs,
+                 nwv, sgv);
 }
 
 extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,
