@@ -197,8 +197,9 @@ void dfk_set_q_full_grid(int on);
  * n-tile: 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3, 2 x 2);
  * 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
 void dfk_set_q_stage(int which);
-/* Timing experiments of the bulk-copy fixed-point linear (0 = none, the default): bits 1 and 2
- * skip the arithmetic and the scale/bias copies (wrong outputs: timing only). */
+/* Experiments of the bulk-copy fixed-point linear (0 = none, the default): 2 and 4 skip the
+ * arithmetic and the scale/bias copies (wrong outputs: timing only); 8 stages the prepared
+ * input by every thread's loads instead of bulk copies (the same bits). */
 void dfk_set_q_diag(int bits);
 /* The dfk_set_pdl setting. */
 int dfk_pdl_on(void);

@@ -498,7 +498,8 @@ struct qlaunch {
     int kwl[DFK_QMAX]; /* log2 of each linear's KW */
     int ring_off; /* k_lin_qr, k_lin_qb: byte offset of the rings in dynamic shared memory */
     int bulk;     /* 1: k_lin_qb where the input copy fits (dfk_qsched.bulk) */
-    int diag;     /* timing experiments of k_lin_qb (dfk_set_q_diag): 2 = no
+    int diag;     /* experiments of k_lin_qb (dfk_set_q_diag): 8 = the input staged by every
+                     thread's loads instead of bulk copies (the same bits); timing only: 2 = no
                      arithmetic, 4 = no scale/bias copies (wrong outputs) */
     dlaunch dn;   /* dense linears riding along (k_lin_qb: their rows after the CTA's units; the
                      other kernels launch them first, as k_lin_dense); dn.n = 0: none */
@@ -1418,12 +1419,12 @@ static __device__ __forceinline__ void qb_copy_input(const dfk_qlin &L, int nq, 
  * otherwise every thread copies its share (qb_copy_input). The same bytes either way. */
 static __device__ __forceinline__ void qb_stage_input(const dfk_qlin &L, int M, int gs, unsigned char *qsm,
                                                       uint32_t smem0, uint32_t ibar, unsigned &iparity, int key,
-                                                      int &staged, unsigned sxo) {
+                                                      int &staged, unsigned sxo, bool copy) {
     if (staged == key) return;
     const int ng = L.cols / gs;
     const unsigned nqb = (unsigned)(M * 2 * L.cols), neb = (unsigned)(M * ng * 4);
     __syncthreads(); /* the previous linear's copy may still be read */
-    const bool bulk = ((nqb | neb) & 15u) == 0 &&
+    const bool bulk = !copy && ((nqb | neb) & 15u) == 0 &&
                       (((uintptr_t)L.xq | (uintptr_t)L.xe | (uintptr_t)L.xsx) & 15u) == 0;
     if (bulk) {
         if (threadIdx.x == 0) {
@@ -1646,7 +1647,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
             tbase = (warp >> kwl) - (P.start[di] << (3 - kwl));
             lin_end = P.start[di + 1];
             qb_stage_input(L, M, GS, qsm, smem0, ibar, iparity, di, staged,
-                           ((unsigned)(M * ng * 4) + 15u) & ~15u);
+                           ((unsigned)(M * ng * 4) + 15u) & ~15u, (P.diag & 8) != 0);
         }
         const dfk_qlin &L = P.d[di];
         const int tile0 = (u << (3 - kwl)) + tbase;
@@ -1796,7 +1797,7 @@ extern "C" void dfk_set_q_stage(int which) {
     g_q_stage[0] = a >= 0 && a <= 3 ? a : 0;
     g_q_stage[1] = b >= 0 && b <= 3 ? b : 0;
 }
-extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 6; }
+extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 14; }
 /* Ring shape I (0..2) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
  * per warp NS; one n-tile 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2. Its kernel and
  * its dynamic shared memory for an input copy of `in` bytes. */
