@@ -96,6 +96,11 @@ typedef struct df_server_options {
     /* testing only: honour the request field "dflash_forced_output" (a text whose tokens
      * replace the sampled ones; the model still runs). Never enable on a real deployment. */
     int test_hooks;
+    /* cross-origin requests (CORS): the Access-Control-Allow-Origin of every answer, and
+     * OPTIONS preflights of the API's routes answered 204 (no key needed); "*" (the default)
+     * = any origin; NULL or "" = none (no CORS headers; OPTIONS gets 405). At most 255
+     * printable ASCII characters. */
+    const char *cors_origin;
     df_server_log_fn log;     /* NULL = no log */
     void *log_user;
 } df_server_options;
@@ -147,6 +152,7 @@ typedef struct df_http_request {
     const char *path;            /* URL path, without the query string */
     const char *authorization;   /* value of the Authorization header, or NULL */
     const char *content_encoding; /* value of the Content-Encoding header, or NULL */
+    const char *acr_headers;     /* value of Access-Control-Request-Headers (a preflight), or NULL */
     const char *body;            /* may be NULL when body_len is 0; need not be NUL-terminated */
     size_t body_len;
     int body_too_large;          /* the transport stopped keeping the body past max_body */
@@ -176,6 +182,10 @@ typedef struct df_http_response {
     const char *x_dflash;        /* decode mode header value (static), or NULL */
     int retry_after;             /* > 0: send Retry-After (seconds) */
     int www_authenticate;        /* 401: send WWW-Authenticate: Bearer */
+    const char *cors_origin;     /* send Access-Control-Allow-Origin with this value, or NULL */
+    const char *cors_methods;    /* a preflight's answer: Access-Control-Allow-Methods (static), with
+                                    cors_headers as Access-Control-Allow-Headers and a Max-Age */
+    char cors_headers[256];
     int no_answer;               /* the client closed the connection (status 499, logged as such):
                                     send nothing, close the connection */
 } df_http_response;

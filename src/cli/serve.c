@@ -112,6 +112,7 @@ int cmd_serve(int argc, char **argv) {
     const char *device = "cpu";
     int window = 2048, no_draft = 0, draft_quant = 0, test_hooks = 0, timeout = 30, max_conn = 64;
     int request_timeout = 60;
+    const char *cors = "*";
     size_t max_body = (size_t)8 << 20, max_header = (size_t)32 << 10;
     df_spec_params spec = df_spec_params_default();
     cli_opt opts[] = {
@@ -133,6 +134,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
         {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower or stalled one gets 408, or is closed while its headers are still arriving (an idle kept-alive connection too)", 1, 86400, 0},
+        {"cors-origin", "ORIGIN", CLI_STR, &cors, "*", "Access-Control-Allow-Origin of every answer, for browsers calling from other origins (OPTIONS preflights answered 204, without a key); 'none': no CORS headers", 0, 0, 0},
         {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",
@@ -149,7 +151,7 @@ int cmd_serve(int argc, char **argv) {
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
     (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;
-    (void)no_draft, (void)test_hooks, (void)timeout, (void)max_conn, (void)request_timeout;
+    (void)no_draft, (void)test_hooks, (void)timeout, (void)max_conn, (void)request_timeout, (void)cors;
     cli_error("serve", "this dflash was built without the HTTP server (cmake -DDFLASH_SERVER=OFF)");
     return CLI_EXIT_FAIL;
 #else
@@ -190,6 +192,7 @@ int cmd_serve(int argc, char **argv) {
     so.timeout_s = (unsigned)timeout;
     so.request_timeout_s = (unsigned)request_timeout;
     so.test_hooks = test_hooks;
+    so.cors_origin = strcmp(cors, "none") == 0 ? NULL : cors;
     return serve(&so);
 #endif
 }

@@ -307,6 +307,15 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
     if (r->allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, r->allow);
     if (r->x_dflash) MHD_add_response_header(resp, "x-dflash", r->x_dflash);
     if (r->www_authenticate) MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (r->cors_origin) {
+        MHD_add_response_header(resp, "Access-Control-Allow-Origin", r->cors_origin);
+        if (strcmp(r->cors_origin, "*") != 0) MHD_add_response_header(resp, "Vary", "Origin");
+    }
+    if (r->cors_methods) {
+        MHD_add_response_header(resp, "Access-Control-Allow-Methods", r->cors_methods);
+        MHD_add_response_header(resp, "Access-Control-Allow-Headers", r->cors_headers);
+        MHD_add_response_header(resp, "Access-Control-Max-Age", "86400");
+    }
     if (r->retry_after > 0) {
         char v[16];
         snprintf(v, sizeof v, "%d", r->retry_after);
@@ -327,6 +336,7 @@ static enum MHD_Result answer(df_server *srv, conn_ctx *ctx, const char *url, co
         .path = url,
         .authorization = MHD_lookup_connection_value(ctx->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION),
         .content_encoding = MHD_lookup_connection_value(ctx->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_ENCODING),
+        .acr_headers = MHD_lookup_connection_value(ctx->conn, MHD_HEADER_KIND, "Access-Control-Request-Headers"),
         .body = ctx->body,
         .body_len = ctx->len,
         .body_too_large = ctx->too_large,

@@ -4,6 +4,7 @@
 #include "server/server_impl.h"
 
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -30,6 +31,7 @@ df_server_options df_server_options_default(void) {
     o.top_logprobs_k = DF_MAX_TOP_LOGPROBS;
     o.spec = df_spec_params_default();
     o.draft_window = DF_SERVER_DEFAULT_DRAFT_WINDOW;
+    o.cors_origin = "*";
     return o;
 }
 
@@ -172,6 +174,14 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
     if (!has_key && !df_server_host_is_loopback(opt.host))
         return df_error_set(err, DF_ERR_INVALID_ARG,
                             "server: listening on '%s' (not a loopback address) requires an API key", opt.host);
+    if (opt.cors_origin) {
+        size_t n = strlen(opt.cors_origin);
+        int ok = n < 256;
+        for (size_t i = 0; ok && i < n; i++) ok = opt.cors_origin[i] > 0x20 && opt.cors_origin[i] < 0x7f;
+        if (!ok)
+            return df_error_set(err, DF_ERR_INVALID_ARG,
+                                "server: the CORS origin must be at most 255 printable ASCII characters without spaces");
+    }
     if (opt.max_body == 0) opt.max_body = DF_SERVER_DEFAULT_MAX_BODY;
     if (opt.max_header == 0) opt.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
     if (opt.max_connections == 0) opt.max_connections = 64;
@@ -186,11 +196,13 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
     srv->api_key = has_key ? dup_or_null(opt.api_key, &bad) : NULL;
     srv->model_dir = dup_or_null(opt.model_dir, &bad);
     srv->drafter_dir = opt.drafter_dir && opt.drafter_dir[0] ? dup_or_null(opt.drafter_dir, &bad) : NULL;
+    srv->cors_origin = opt.cors_origin && opt.cors_origin[0] ? dup_or_null(opt.cors_origin, &bad) : NULL;
     opt.host = srv->host;
     opt.model_id = srv->model_id;
     opt.api_key = srv->api_key;
     opt.model_dir = srv->model_dir;
     opt.drafter_dir = srv->drafter_dir;
+    opt.cors_origin = srv->cors_origin;
     srv->opt = opt;
     pthread_mutex_init(&srv->qlock, NULL);
     pthread_cond_init(&srv->qcond, NULL);
@@ -235,6 +247,7 @@ void df_server_free(df_server *srv) {
     free(srv->api_key);
     free(srv->model_dir);
     free(srv->drafter_dir);
+    free(srv->cors_origin);
     free(srv);
 }
 
@@ -646,11 +659,27 @@ static void log_simple(df_server *srv, const df_http_request *req, df_route_labe
                   m, path, r->status, df_ms_since(t0), note);
 }
 
+/* The answer to a CORS preflight (OPTIONS) of a known route: 204, the route's methods, and the
+ * request headers the browser asked for (Access-Control-Request-Headers, when made only of
+ * header-name characters, commas and spaces), else Authorization and Content-Type. */
+static void cors_preflight(const df_http_request *req, df_route_label route, df_http_response *resp) {
+    resp->status = 204;
+    resp->body = calloc(1, 1);
+    resp->body_len = 0;
+    resp->cors_methods = route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
+    const char *h = req->acr_headers;
+    int ok = h && h[0] && strlen(h) < sizeof resp->cors_headers;
+    for (const char *p = h; ok && *p; p++)
+        ok = isalnum((unsigned char)*p) || strchr("-_, !#$%&'*+.^`|~", *p) != NULL;
+    snprintf(resp->cors_headers, sizeof resp->cors_headers, "%s", ok ? h : "Authorization, Content-Type");
+}
+
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     memset(resp, 0, sizeof *resp);
     resp->content_type = "application/json";
+    resp->cors_origin = srv->cors_origin;
     const char *m = req->method ? req->method : "";
     const char *path = req->path ? req->path : "";
     int get = strcmp(m, "GET") == 0 || strcmp(m, "HEAD") == 0;
@@ -662,6 +691,8 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
         df_api_error_set(&e, 408, "invalid_request_error", "request_timeout", NULL,
                          "The request was not received within %u s.", srv->opt.request_timeout_s);
         set_error(resp, &e);
+    } else if (srv->cors_origin && strcmp(m, "OPTIONS") == 0 && route != DF_ROUTE_OTHER) {
+        cors_preflight(req, route, resp); /* no key: browsers send none with a preflight */
     } else if (route == DF_ROUTE_HEALTH) { /* no key needed: for load balancers and probes */
         if (!get) method_not_allowed(m, path, "GET", resp);
         else route_health(srv, resp);

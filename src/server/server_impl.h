@@ -114,7 +114,7 @@ void df_job_unref(df_job *j);
 
 struct df_server {
     df_server_options opt;        /* string fields point at the copies below */
-    char *host, *model_id, *api_key, *model_dir, *drafter_dir;
+    char *host, *model_id, *api_key, *model_dir, *drafter_dir, *cors_origin;
     /* the model, set by the worker while loading (read-only once state is READY) */
     df_engine *eng;
     df_session *session;

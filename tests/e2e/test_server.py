@@ -269,6 +269,20 @@ def test_wrong_method(server):
     assert_error(requests.delete(server.url + "/health", timeout=10), 405)
 
 
+def test_cors(server):
+    """Browsers on other origins: a preflight (no key) and the answers' CORS headers."""
+    h = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+         "Access-Control-Request-Headers": "authorization, content-type"}
+    r = requests.options(server.url + "/v1/chat/completions", headers=h, timeout=10)
+    assert r.status_code == 204
+    assert r.headers["Access-Control-Allow-Origin"] == "*"
+    assert r.headers["Access-Control-Allow-Methods"] == "POST, OPTIONS"
+    assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    r = requests.get(server.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=10)
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+    assert_error(requests.options(server.url + "/v1/nothing", timeout=10), 404, "not_found")
+
+
 def test_client_disconnect_during_generation(server, chat):
     """A client that gives up mid-generation does not block the next request for long."""
     body = json.dumps({"messages": MSG, "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}}).encode()

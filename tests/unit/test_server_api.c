@@ -116,6 +116,64 @@ static void test_api_key(void **state) {
     df_server_free(srv);
 }
 
+/* CORS: every answer carries the configured Access-Control-Allow-Origin; an OPTIONS preflight
+ * of a known route gets 204 without a key, the route's methods and the asked-for headers (a
+ * list with other characters falls back to Authorization, Content-Type); without an origin,
+ * no CORS headers and OPTIONS is a wrong method; an origin with spaces is refused. */
+static void test_cors(void **state) {
+    (void)state;
+    df_server *srv = new_server("k3y");
+    df_http_request req = {.method = "OPTIONS", .path = "/v1/chat/completions",
+                           .acr_headers = "authorization, content-type, x-stainless-os", .client_fd = -1};
+    df_http_response r;
+    df_server_handle(srv, &req, &r);
+    assert_int_equal(r.status, 204);
+    assert_string_equal(r.cors_origin, "*");
+    assert_string_equal(r.cors_methods, "POST, OPTIONS");
+    assert_string_equal(r.cors_headers, "authorization, content-type, x-stainless-os");
+    df_http_response_free(&r);
+    req.path = "/v1/models";
+    req.acr_headers = "authorization\r\nx-injected: 1";
+    df_server_handle(srv, &req, &r);
+    assert_int_equal(r.status, 204);
+    assert_string_equal(r.cors_methods, "GET, HEAD, OPTIONS");
+    assert_string_equal(r.cors_headers, "Authorization, Content-Type");
+    df_http_response_free(&r);
+    req.path = "/v1/nothing"; /* not a route: no preflight (and the key is asked for first) */
+    df_server_handle(srv, &req, &r);
+    assert_int_equal(r.status, 401);
+    assert_null(r.cors_methods);
+    assert_string_equal(r.cors_origin, "*");
+    df_http_response_free(&r);
+    r = call(srv, "GET", "/v1/models", NULL, NULL); /* errors carry it too */
+    assert_int_equal(r.status, 401);
+    assert_string_equal(r.cors_origin, "*");
+    df_http_response_free(&r);
+    df_server_free(srv);
+
+    df_server_options o = df_server_options_default();
+    o.model_id = "tiny";
+    o.model_dir = tu_fixture("tiny-bonsai2");
+    o.cors_origin = NULL;
+    df_error err = {0};
+    assert_int_equal(df_server_init(&srv, &o, &err), DF_OK);
+    r = call(srv, "OPTIONS", "/v1/models", NULL, NULL);
+    assert_int_equal(r.status, 405);
+    assert_null(r.cors_origin);
+    assert_null(r.cors_methods);
+    df_http_response_free(&r);
+    df_server_free(srv);
+    o.cors_origin = "https://a.example https://b.example";
+    assert_int_equal(df_server_init(&srv, &o, &err), DF_ERR_INVALID_ARG);
+    assert_non_null(strstr(err.msg, "CORS"));
+    o.cors_origin = "https://app.example";
+    assert_int_equal(df_server_init(&srv, &o, &err), DF_OK);
+    r = call(srv, "GET", "/health", NULL, NULL);
+    assert_string_equal(r.cors_origin, "https://app.example");
+    df_http_response_free(&r);
+    df_server_free(srv);
+}
+
 /* A request the transport gave up reading (request_timeout_s) is answered 408, whatever its
  * route, and counted in the metrics. */
 static void test_timed_out_request(void **state) {
@@ -444,6 +502,7 @@ int main(void) {
         cmocka_unit_test(test_loading_state),
         cmocka_unit_test(test_api_key),
         cmocka_unit_test(test_timed_out_request),
+        cmocka_unit_test(test_cors),
         cmocka_unit_test(test_init_validation),
         cmocka_unit_test(test_request_validation),
         cmocka_unit_test(test_request_huge_numbers),
