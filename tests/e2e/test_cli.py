@@ -22,7 +22,7 @@ COMMAND_OPTIONS = {
     "render": ["--model", "--request", "--enable-thinking", "--ids", "--help"],
     "serve": ["--model", "--host", "--port", "--model-id", "--api-key", "--threads", "--device", "--ctx-size", "--max-tokens",
               "--enable-thinking", "--top-logprobs-k", "--queue", *DRAFT_OPTIONS, "--max-body", "--max-header",
-              "--max-connections", "--timeout", "--request-timeout", "--test-hooks", "--help"],
+              "--max-connections", "--timeout", "--request-timeout", "--cors-origin", "--test-hooks", "--help"],
 }
 
 
