@@ -98,14 +98,19 @@ typedef struct df_server_options {
     int test_hooks;
     /* cross-origin requests (CORS): the Access-Control-Allow-Origin of every answer, and
      * OPTIONS preflights of the API's routes answered 204 (no key needed); "*" (the default)
-     * = any origin; NULL or "" = none (no CORS headers; OPTIONS gets 405). At most 255
-     * printable ASCII characters. */
+     * = any origin; NULL or "" = none (no CORS headers; OPTIONS is a method the routes do not
+     * take). Otherwise df_server_cors_origin_valid must accept it. */
     const char *cors_origin;
     df_server_log_fn log;     /* NULL = no log */
     void *log_user;
 } df_server_options;
 
 df_server_options df_server_options_default(void);
+
+/* 1 if origin can be df_server_options.cors_origin: "*", "null", or one origin as browsers send
+ * it, scheme://host[:port] (no path, no list, no spaces; host a name, IPv4 or [IPv6]), at most
+ * 255 characters. */
+int df_server_cors_origin_valid(const char *origin);
 
 /* 1 if host names a loopback address ("localhost", 127.0.0.0/8, ::1). */
 int df_server_host_is_loopback(const char *host);
@@ -185,7 +190,7 @@ typedef struct df_http_response {
     const char *cors_origin;     /* send Access-Control-Allow-Origin with this value, or NULL */
     const char *cors_methods;    /* a preflight's answer: Access-Control-Allow-Methods (static), with
                                     cors_headers as Access-Control-Allow-Headers and a Max-Age */
-    char cors_headers[256];
+    char cors_headers[1024];
     int no_answer;               /* the client closed the connection (status 499, logged as such):
                                     send nothing, close the connection */
 } df_http_response;

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -134,7 +135,7 @@ int cmd_serve(int argc, char **argv) {
         {"max-connections", "N", CLI_INT, &max_conn, "64", "concurrent connections", 1, 1 << 16, 0},
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
         {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower or stalled one gets 408, or is closed while its headers are still arriving (an idle kept-alive connection too)", 1, 86400, 0},
-        {"cors-origin", "ORIGIN", CLI_STR, &cors, "*", "Access-Control-Allow-Origin of every answer, for browsers calling from other origins (OPTIONS preflights answered 204, without a key); 'none': no CORS headers", 0, 0, 0},
+        {"cors-origin", "ORIGIN", CLI_STR, &cors, "*", "Access-Control-Allow-Origin of every answer, for browsers calling from other origins (OPTIONS preflights answered 204, without a key): *, null or one origin scheme://host[:port]; 'none': no CORS headers", 0, 0, 0},
         {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",
@@ -158,6 +159,10 @@ int cmd_serve(int argc, char **argv) {
     if (!api_key) api_key = getenv("DFLASH_API_KEY");
     if (api_key && !api_key[0]) api_key = NULL;
     if (!host[0]) return cli_usage_error(&cmd, "--host is empty");
+    if (strcasecmp(cors, "none") == 0) cors = NULL;
+    else if (!df_server_cors_origin_valid(cors))
+        return cli_usage_error(&cmd, "--cors-origin '%s' is not *, null, none or one origin scheme://host[:port] "
+                                     "(no path, no list)", cors);
     if (!api_key && !df_server_host_is_loopback(host))
         return cli_usage_error(&cmd, "listening on '%s' (not a loopback address) requires a non-empty --api-key "
                                      "(or $DFLASH_API_KEY)", host);
@@ -192,7 +197,7 @@ int cmd_serve(int argc, char **argv) {
     so.timeout_s = (unsigned)timeout;
     so.request_timeout_s = (unsigned)request_timeout;
     so.test_hooks = test_hooks;
-    so.cors_origin = strcmp(cors, "none") == 0 ? NULL : cors;
+    so.cors_origin = cors;
     return serve(&so);
 #endif
 }

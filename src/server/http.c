@@ -93,11 +93,15 @@ static void send_all(int fd, const char *p, size_t n);
 
 /* Writes the 408 answer r (no more than that: the connection closes after it) to socket fd. */
 static void send_timeout_answer(int fd, const df_http_response *r) {
-    char head[256];
+    char head[768], cors[512] = "";
+    if (r->cors_origin)
+        snprintf(cors, sizeof cors, "Access-Control-Allow-Origin: %s\r\n%sAccess-Control-Expose-Headers: %s\r\n",
+                 r->cors_origin, strcmp(r->cors_origin, "*") ? "Vary: Origin\r\n" : "", DF_CORS_EXPOSE);
     int hn = snprintf(head, sizeof head,
-                      "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                      "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
                       "Connection: close\r\n\r\n",
-                      r->status, r->content_type ? r->content_type : "application/json", r->body_len);
+                      r->status, r->content_type ? r->content_type : "application/json", r->body_len, cors);
+    if (hn < 0 || (size_t)hn >= sizeof head) return;
     send_all(fd, head, (size_t)hn);
     send_all(fd, r->body, r->body_len);
 }
@@ -302,7 +306,7 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
     int is_stream = resp && !r->body && strncmp(ctype, "text/event-stream", 17) == 0;
     df_http_response_free(r);
     if (!resp) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (r->status != 204) MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (is_stream) MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     if (r->allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, r->allow);
     if (r->x_dflash) MHD_add_response_header(resp, "x-dflash", r->x_dflash);
@@ -310,6 +314,7 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
     if (r->cors_origin) {
         MHD_add_response_header(resp, "Access-Control-Allow-Origin", r->cors_origin);
         if (strcmp(r->cors_origin, "*") != 0) MHD_add_response_header(resp, "Vary", "Origin");
+        MHD_add_response_header(resp, "Access-Control-Expose-Headers", DF_CORS_EXPOSE);
     }
     if (r->cors_methods) {
         MHD_add_response_header(resp, "Access-Control-Allow-Methods", r->cors_methods);

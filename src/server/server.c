@@ -35,6 +35,33 @@ df_server_options df_server_options_default(void) {
     return o;
 }
 
+int df_server_cors_origin_valid(const char *o) {
+    if (!o) return 0;
+    if (!strcmp(o, "*") || !strcmp(o, "null")) return 1;
+    const size_t n = strlen(o);
+    if (n == 0 || n > 255 || !isalpha((unsigned char)o[0])) return 0;
+    size_t i = 1;
+    while (i < n && (isalnum((unsigned char)o[i]) || o[i] == '+' || o[i] == '.' || o[i] == '-')) i++;
+    if (strncmp(o + i, "://", 3) != 0) return 0;
+    i += 3;
+    const size_t h0 = i;
+    if (i < n && o[i] == '[') { /* [IPv6] */
+        i++;
+        while (i < n && (isxdigit((unsigned char)o[i]) || o[i] == ':' || o[i] == '.')) i++;
+        if (i >= n || o[i] != ']' || i == h0 + 1) return 0;
+        i++;
+    } else {
+        while (i < n && (isalnum((unsigned char)o[i]) || o[i] == '.' || o[i] == '-')) i++;
+        if (i == h0) return 0;
+    }
+    if (i < n && o[i] == ':') { /* port */
+        const size_t p0 = ++i;
+        while (i < n && isdigit((unsigned char)o[i])) i++;
+        if (i == p0 || i - p0 > 5) return 0;
+    }
+    return i == n;
+}
+
 int df_server_host_is_loopback(const char *host) {
     if (!host) return 0;
     if (strcasecmp(host, "localhost") == 0) return 1;
@@ -174,13 +201,12 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
     if (!has_key && !df_server_host_is_loopback(opt.host))
         return df_error_set(err, DF_ERR_INVALID_ARG,
                             "server: listening on '%s' (not a loopback address) requires an API key", opt.host);
-    if (opt.cors_origin) {
-        size_t n = strlen(opt.cors_origin);
-        int ok = n < 256;
-        for (size_t i = 0; ok && i < n; i++) ok = opt.cors_origin[i] > 0x20 && opt.cors_origin[i] < 0x7f;
-        if (!ok)
-            return df_error_set(err, DF_ERR_INVALID_ARG,
-                                "server: the CORS origin must be at most 255 printable ASCII characters without spaces");
+    if (opt.cors_origin && opt.cors_origin[0] && !df_server_cors_origin_valid(opt.cors_origin)) {
+        char shown[64];
+        printable(opt.cors_origin, shown, sizeof shown);
+        return df_error_set(err, DF_ERR_INVALID_ARG,
+                            "server: CORS origin '%s' is not *, null or one origin scheme://host[:port] "
+                            "(no path, no list)", shown);
     }
     if (opt.max_body == 0) opt.max_body = DF_SERVER_DEFAULT_MAX_BODY;
     if (opt.max_header == 0) opt.max_header = DF_SERVER_DEFAULT_MAX_HEADER;
@@ -667,11 +693,15 @@ static void cors_preflight(const df_http_request *req, df_route_label route, df_
     resp->body = calloc(1, 1);
     resp->body_len = 0;
     resp->cors_methods = route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
-    const char *h = req->acr_headers;
-    int ok = h && h[0] && strlen(h) < sizeof resp->cors_headers;
-    for (const char *p = h; ok && *p; p++)
-        ok = isalnum((unsigned char)*p) || strchr("-_, !#$%&'*+.^`|~", *p) != NULL;
-    snprintf(resp->cors_headers, sizeof resp->cors_headers, "%s", ok ? h : "Authorization, Content-Type");
+    const char *h = req->acr_headers ? req->acr_headers : "";
+    while (*h == ' ' || *h == '\t') h++; /* the list without the whitespace around it */
+    size_t n = strlen(h);
+    while (n > 0 && (h[n - 1] == ' ' || h[n - 1] == '\t')) n--;
+    int ok = n > 0 && n < sizeof resp->cors_headers;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = isalnum((unsigned char)h[i]) || (h[i] != 0 && strchr("-_,\t !#$%&'*+.^`|~", h[i]) != NULL);
+    if (ok) snprintf(resp->cors_headers, sizeof resp->cors_headers, "%.*s", (int)n, h);
+    else snprintf(resp->cors_headers, sizeof resp->cors_headers, "Authorization, Content-Type");
 }
 
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp) {
@@ -686,6 +716,9 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
     int post = strcmp(m, "POST") == 0;
     df_route_label route = classify(path);
     df_api_error e;
+    /* a 405's Allow: every method the route answers (OPTIONS where CORS preflights are) */
+    const char *allow_get = srv->cors_origin ? "GET, HEAD, OPTIONS" : "GET, HEAD";
+    const char *allow_post = srv->cors_origin ? "POST, OPTIONS" : "POST";
 
     if (req->timed_out) {
         df_api_error_set(&e, 408, "invalid_request_error", "request_timeout", NULL,
@@ -694,7 +727,7 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
     } else if (srv->cors_origin && strcmp(m, "OPTIONS") == 0 && route != DF_ROUTE_OTHER) {
         cors_preflight(req, route, resp); /* no key: browsers send none with a preflight */
     } else if (route == DF_ROUTE_HEALTH) { /* no key needed: for load balancers and probes */
-        if (!get) method_not_allowed(m, path, "GET", resp);
+        if (!get) method_not_allowed(m, path, allow_get, resp);
         else route_health(srv, resp);
     } else if (!authorized(srv, req->authorization)) {
         df_api_error_set(&e, 401, "invalid_request_error", "invalid_api_key", NULL,
@@ -703,7 +736,7 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
         resp->www_authenticate = 1;
     } else if (route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS) {
         if (!post) {
-            method_not_allowed(m, path, "POST", resp);
+            method_not_allowed(m, path, allow_post, resp);
         } else if (req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity")) {
             char enc[64];
             printable(req->content_encoding, enc, sizeof enc);
@@ -717,7 +750,7 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
             if (route_completion(srv, req, route, resp)) return; /* logged by the worker */
         }
     } else if (route == DF_ROUTE_MODELS || route == DF_ROUTE_MODEL || route == DF_ROUTE_METRICS) {
-        if (!get) method_not_allowed(m, path, "GET", resp);
+        if (!get) method_not_allowed(m, path, allow_get, resp);
         else if (route == DF_ROUTE_MODELS) route_models(srv, resp);
         else if (route == DF_ROUTE_MODEL) route_model(srv, path + sizeof "/v1/models", resp);
         else route_metrics(srv, resp);

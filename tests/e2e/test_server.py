@@ -264,7 +264,7 @@ def test_unknown_route(server):
 def test_wrong_method(server):
     r = requests.get(server.url + "/v1/chat/completions", timeout=10)
     assert_error(r, 405, "method_not_allowed")
-    assert r.headers["Allow"] == "POST"
+    assert r.headers["Allow"] == "POST, OPTIONS"
     assert_error(requests.post(server.url + "/v1/models", json={}, timeout=10), 405)
     assert_error(requests.delete(server.url + "/health", timeout=10), 405)
 
@@ -278,8 +278,12 @@ def test_cors(server):
     assert r.headers["Access-Control-Allow-Origin"] == "*"
     assert r.headers["Access-Control-Allow-Methods"] == "POST, OPTIONS"
     assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert "Content-Type" not in r.headers
     r = requests.get(server.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=10)
     assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+    assert r.headers["Access-Control-Expose-Headers"] == "x-dflash, Retry-After"
+    r = requests.post(server.url + "/health", timeout=10)
+    assert r.status_code == 405 and r.headers["Allow"] == "GET, HEAD, OPTIONS"
     assert_error(requests.options(server.url + "/v1/nothing", timeout=10), 404, "not_found")
 
 

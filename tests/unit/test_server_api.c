@@ -79,7 +79,7 @@ static void test_loading_state(void **state) {
 
     r = call(srv, "GET", "/v1/chat/completions", NULL, NULL);
     assert_int_equal(r.status, 405);
-    assert_string_equal(r.allow, "POST");
+    assert_string_equal(r.allow, "POST, OPTIONS");
     df_http_response_free(&r);
     r = call(srv, "GET", "/nope", NULL, NULL);
     assert_int_equal(r.status, 404);
@@ -139,6 +139,18 @@ static void test_cors(void **state) {
     assert_string_equal(r.cors_methods, "GET, HEAD, OPTIONS");
     assert_string_equal(r.cors_headers, "Authorization, Content-Type");
     df_http_response_free(&r);
+    req.acr_headers = " a,\tb , c ";  /* the whitespace around the list dropped, tabs allowed */
+    df_server_handle(srv, &req, &r);
+    assert_string_equal(r.cors_headers, "a,\tb , c");
+    df_http_response_free(&r);
+    char longlist[700];
+    memset(longlist, 'x', sizeof longlist - 1);
+    longlist[sizeof longlist - 1] = 0;
+    for (size_t i = 20; i < sizeof longlist - 1; i += 20) longlist[i] = ',';
+    req.acr_headers = longlist; /* long lists (many SDK headers) are echoed whole */
+    df_server_handle(srv, &req, &r);
+    assert_string_equal(r.cors_headers, longlist);
+    df_http_response_free(&r);
     req.path = "/v1/nothing"; /* not a route: no preflight (and the key is asked for first) */
     df_server_handle(srv, &req, &r);
     assert_int_equal(r.status, 401);
@@ -163,9 +175,17 @@ static void test_cors(void **state) {
     assert_null(r.cors_methods);
     df_http_response_free(&r);
     df_server_free(srv);
-    o.cors_origin = "https://a.example https://b.example";
-    assert_int_equal(df_server_init(&srv, &o, &err), DF_ERR_INVALID_ARG);
-    assert_non_null(strstr(err.msg, "CORS"));
+    const char *bad[] = {"https://a.example https://b.example", "https://a,https://b", "https://a.example/", "foo",
+                         "\"*\"", "NONE", "https://", "https://a:123456", "https://[::1", "ht tp://a"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        o.cors_origin = bad[i];
+        assert_int_equal(df_server_init(&srv, &o, &err), DF_ERR_INVALID_ARG);
+        assert_non_null(strstr(err.msg, "CORS origin"));
+        assert_false(df_server_cors_origin_valid(bad[i]));
+    }
+    const char *good[] = {"*", "null", "http://localhost:3000", "https://app.example", "http://[::1]:8080",
+                          "chrome-extension://abcdef", "http://127.0.0.1"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) assert_true(df_server_cors_origin_valid(good[i]));
     o.cors_origin = "https://app.example";
     assert_int_equal(df_server_init(&srv, &o, &err), DF_OK);
     r = call(srv, "GET", "/health", NULL, NULL);
