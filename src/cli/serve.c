@@ -140,9 +140,10 @@ int cmd_serve(int argc, char **argv) {
     };
     cli_command cmd = {"serve", "[options]",
                        "Serves the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions\n"
-                       "(streaming and not), GET /v1/models, GET /health, GET /metrics. The socket opens at once and the model\n"
-                       "loads in the background (/health answers 503 until it is ready). One request generates at a time;\n"
-                       "others wait in a FIFO queue. SIGINT or SIGTERM shut it down cleanly.",
+                       "(streaming and not), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (and OPTIONS\n"
+                       "preflights for browsers, see --cors-origin). The socket opens at once and the model loads in the\n"
+                       "background (/health answers 503 until it is ready). One request generates at a time; others wait in\n"
+                       "a FIFO queue. SIGINT or SIGTERM shut it down cleanly.",
                        opts, (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
