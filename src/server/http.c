@@ -91,12 +91,35 @@ static int passed(const struct timespec *deadline) {
 
 static void send_all(int fd, const char *p, size_t n);
 
+/* The CORS headers of answer r (df_http_response.cors_origin, cors_methods): up to 6 name/value
+ * pairs into name, value; returns how many. The one list for both ways an answer is sent. */
+static int cors_header_list(const df_http_response *r, const char *name[6], const char *value[6]) {
+    int n = 0;
+    if (r->cors_origin) {
+        name[n] = "Access-Control-Allow-Origin", value[n++] = r->cors_origin;
+        if (strcmp(r->cors_origin, "*") != 0) name[n] = "Vary", value[n++] = "Origin";
+        /* the answer headers a script on another origin may read */
+        name[n] = "Access-Control-Expose-Headers", value[n++] = "x-dflash, Retry-After";
+    }
+    if (r->cors_methods) {
+        name[n] = "Access-Control-Allow-Methods", value[n++] = r->cors_methods;
+        name[n] = "Access-Control-Allow-Headers", value[n++] = r->cors_headers;
+        name[n] = "Access-Control-Max-Age", value[n++] = "86400";
+    }
+    return n;
+}
+
 /* Writes the 408 answer r (no more than that: the connection closes after it) to socket fd. */
 static void send_timeout_answer(int fd, const df_http_response *r) {
-    char head[768], cors[512] = "";
-    if (r->cors_origin)
-        snprintf(cors, sizeof cors, "Access-Control-Allow-Origin: %s\r\n%sAccess-Control-Expose-Headers: %s\r\n",
-                 r->cors_origin, strcmp(r->cors_origin, "*") ? "Vary: Origin\r\n" : "", DF_CORS_EXPOSE);
+    char head[2048], cors[1536] = "";
+    const char *name[6], *value[6];
+    size_t cn = 0;
+    for (int i = 0, n = cors_header_list(r, name, value); i < n && cn < sizeof cors; i++) {
+        const int k = snprintf(cors + cn, sizeof cors - cn, "%s: %s\r\n", name[i], value[i]);
+        if (k < 0) return;
+        cn += (size_t)k;
+    }
+    if (cn >= sizeof cors) return;
     int hn = snprintf(head, sizeof head,
                       "HTTP/1.1 %d Request Timeout\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
                       "Connection: close\r\n\r\n",
@@ -311,16 +334,8 @@ static enum MHD_Result send_response(conn_ctx *ctx, df_http_response *r) {
     if (r->allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, r->allow);
     if (r->x_dflash) MHD_add_response_header(resp, "x-dflash", r->x_dflash);
     if (r->www_authenticate) MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
-    if (r->cors_origin) {
-        MHD_add_response_header(resp, "Access-Control-Allow-Origin", r->cors_origin);
-        if (strcmp(r->cors_origin, "*") != 0) MHD_add_response_header(resp, "Vary", "Origin");
-        MHD_add_response_header(resp, "Access-Control-Expose-Headers", DF_CORS_EXPOSE);
-    }
-    if (r->cors_methods) {
-        MHD_add_response_header(resp, "Access-Control-Allow-Methods", r->cors_methods);
-        MHD_add_response_header(resp, "Access-Control-Allow-Headers", r->cors_headers);
-        MHD_add_response_header(resp, "Access-Control-Max-Age", "86400");
-    }
+    const char *cname[6], *cvalue[6];
+    for (int i = 0, n = cors_header_list(r, cname, cvalue); i < n; i++) MHD_add_response_header(resp, cname[i], cvalue[i]);
     if (r->retry_after > 0) {
         char v[16];
         snprintf(v, sizeof v, "%d", r->retry_after);

@@ -686,8 +686,9 @@ static void log_simple(df_server *srv, const df_http_request *req, df_route_labe
 }
 
 /* The answer to a CORS preflight (OPTIONS) of a known route: 204, the route's methods, and the
- * request headers the browser asked for (Access-Control-Request-Headers, when made only of
- * header-name characters, commas and spaces), else Authorization and Content-Type. */
+ * request headers the browser asked for (Access-Control-Request-Headers without the whitespace
+ * around it, when made only of header-name characters, commas, spaces and tabs), else
+ * Authorization and Content-Type. */
 static void cors_preflight(const df_http_request *req, df_route_label route, df_http_response *resp) {
     resp->status = 204;
     resp->body = calloc(1, 1);
@@ -699,7 +700,7 @@ static void cors_preflight(const df_http_request *req, df_route_label route, df_
     while (n > 0 && (h[n - 1] == ' ' || h[n - 1] == '\t')) n--;
     int ok = n > 0 && n < sizeof resp->cors_headers;
     for (size_t i = 0; ok && i < n; i++)
-        ok = isalnum((unsigned char)h[i]) || (h[i] != 0 && strchr("-_,\t !#$%&'*+.^`|~", h[i]) != NULL);
+        ok = isalnum((unsigned char)h[i]) || strchr("-_,\t !#$%&'*+.^`|~", h[i]) != NULL;
     if (ok) snprintf(resp->cors_headers, sizeof resp->cors_headers, "%.*s", (int)n, h);
     else snprintf(resp->cors_headers, sizeof resp->cors_headers, "Authorization, Content-Type");
 }

@@ -21,9 +21,6 @@
 /* ---- metrics ---------------------------------------------------------------------------- */
 
 /* Route labels of the request counter (a fixed set: arbitrary paths count as "other"). */
-/* The answer headers a browser script on another origin may read (CORS). */
-#define DF_CORS_EXPOSE "x-dflash, Retry-After"
-
 typedef enum df_route_label {
     DF_ROUTE_CHAT,
     DF_ROUTE_COMPLETIONS,
