@@ -56,6 +56,8 @@ typedef struct df_drafter df_drafter;
  * DF_ERR_IO, DF_ERR_FORMAT, DF_ERR_MODEL (tensor missing/wrong/unexpected), DF_ERR_UNSUPPORTED
  * (another drafter architecture). */
 df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_error *err);
+/* The engine a drafter was loaded for (its backend runs the drafter). */
+const df_engine *df_drafter_engine(const df_drafter *d);
 void df_drafter_free(df_drafter *d);
 
 /* Quantizes the drafter's dense linears (fc and every layer's q, k, v, o, gate, up, down) at
@@ -87,6 +89,10 @@ int df_draft_state_len(const df_draft_state *st);
  * target_layer_ids order) at positions first_pos .. first_pos+n-1. Only the last `window`
  * rows are kept. Errors: DF_ERR_NOMEM. */
 df_status df_draft_add_context(df_draft_state *st, const float *feats, int n, int32_t first_pos, df_error *err);
+/* The same with feats [n, n_taps*hidden] in the memory of the drafter's backend (no host
+ * transfer): the taps the speculative loop gathers there. */
+df_status df_draft_add_context_device(df_draft_state *st, const float *feats, int n, int32_t first_pos,
+                                      df_error *err);
 
 /* Drafts a block of B rows (2 <= B <= 16): row 0 = `bonus` at position p0, rows 1..B-1 =
  * mask tokens. drafts[B-1] receives the proposals for rows 1..B-1: the argmax of their

@@ -62,6 +62,10 @@ typedef struct df_backend_ops {
     void (*to_device)(df_backend *be, void *dst, const void *src, size_t bytes);
     void (*to_host)(df_backend *be, void *dst, const void *src, size_t bytes);
     void (*copy)(df_backend *be, void *dst, const void *src, size_t bytes);
+    /* rows rows of row_bytes bytes: row r from src + r·src_pitch to dst + r·dst_pitch (backend
+     * memory, not overlapping). Optional (NULL: a copy per row). */
+    void (*copy_rows)(df_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                      size_t row_bytes, int rows);
     void (*zero)(df_backend *be, void *dst, size_t bytes);
 
     /* out[M, E->cols] = rows ids[M] (host array) of the embedding, dequantized, and

@@ -85,10 +85,10 @@ typedef struct spec_ctx {
     df_session *s;
     const df_drafter_config *dc;
     int H, F;               /* hidden, n_taps*hidden */
-    float *feats;           /* [DF_MAX_ROWS, F] host: tap outputs of the current tile */
-    float *tapbuf;          /* [n_taps, DF_MAX_ROWS, H] host: the taps of one forward pass, as on the device */
-    float *dtaps;           /* [n_taps, tap_rows, H] backend memory: the current forward pass's taps */
-    int tap_rows;           /* rows in dtaps not yet fetched (0: none) */
+    float *feats;           /* [DF_MAX_ROWS, F] host: tap outputs of the current tile (host_ctx only) */
+    float *dtaps;           /* [DF_MAX_ROWS, F] backend memory: the current forward pass's taps, as the drafter
+                               takes them (tap t of row m at m·F + t·H) */
+    int host_ctx;           /* the drafter runs on another backend: its context goes through the host */
     int tap_index[256];     /* target layer -> tap slot (or -1); layers beyond 256 never tap */
     /* the verify pass's GDN projections and advanced states, per layer (NULL for attention
      * layers; backend memory): df_gdn_redirect */
@@ -98,27 +98,27 @@ typedef struct spec_ctx {
     df_gdn_layer *replay; /* [n_layers]: settle_gdn's replay of the accepted rows */
 } spec_ctx;
 
-/* Copies the tap layers' rows into dtaps on the device (no host round trip per layer). */
+/* Copies a tap layer's rows into their columns of dtaps on the device (one strided copy; no
+ * host round trip). */
 static void on_tap(void *user, int layer, const float *x, int M) {
     spec_ctx *c = user;
     if (layer >= 256 || c->tap_index[layer] < 0) return;
     df_backend *be = c->s->be;
-    const size_t slot = (size_t)c->tap_index[layer], n = (size_t)M * (size_t)c->H;
-    be->ops->copy(be, c->dtaps + slot * n, x, n * sizeof(float));
-    c->tap_rows = M;
+    const size_t H = (size_t)c->H, F = (size_t)c->F, slot = (size_t)c->tap_index[layer];
+    if (be->ops->copy_rows)
+        be->ops->copy_rows(be, c->dtaps + slot * H, F * sizeof(float), x, H * sizeof(float), H * sizeof(float), M);
+    else
+        for (int m = 0; m < M; m++)
+            be->ops->copy(be, c->dtaps + (size_t)m * F + slot * H, x + (size_t)m * H, H * sizeof(float));
 }
 
-/* The taps of the last forward pass into feats [M, F] (one transfer). */
-static void fetch_taps(spec_ctx *c) {
-    const int M = c->tap_rows, nt = c->dc->n_taps;
-    if (M <= 0) return;
-    const size_t n = (size_t)M * (size_t)c->H;
-    c->s->be->ops->to_host(c->s->be, c->tapbuf, c->dtaps, (size_t)nt * n * sizeof(float));
-    for (int t = 0; t < nt; t++)
-        for (int m = 0; m < M; m++)
-            memcpy(c->feats + (size_t)m * (size_t)c->F + (size_t)t * (size_t)c->H,
-                   c->tapbuf + (size_t)t * n + (size_t)m * (size_t)c->H, (size_t)c->H * sizeof(float));
-    c->tap_rows = 0;
+/* The taps of the last forward pass, rows skip.. of them, into the drafter's context at positions
+ * first_pos.. (on the device where the drafter shares the target's backend). */
+static df_status add_taps(spec_ctx *c, df_draft_state *ds, int skip, int n, int32_t first_pos, df_error *err) {
+    const size_t F = (size_t)c->F;
+    if (!c->host_ctx) return df_draft_add_context_device(ds, c->dtaps + (size_t)skip * F, n, first_pos, err);
+    c->s->be->ops->to_host(c->s->be, c->feats, c->dtaps + (size_t)skip * F, (size_t)n * F * sizeof(float));
+    return df_draft_add_context(ds, c->feats, n, first_pos, err);
 }
 
 static void ctx_free(spec_ctx *c) {
@@ -133,7 +133,6 @@ static void ctx_free(spec_ctx *c) {
     if (c->dtaps) be->ops->dealloc(be, c->dtaps);
     free(c->replay);
     free(c->feats);
-    free(c->tapbuf);
 }
 
 static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *dc, df_error *err) {
@@ -148,13 +147,12 @@ static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *d
     for (int i = 0; i < dc->n_taps; i++)
         if (dc->taps[i] < 256) c->tap_index[dc->taps[i]] = i;
     c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
-    c->tapbuf = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     c->dtaps = be->ops->alloc(be, (size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     const int L = tc->n_layers;
     float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
     c->replay = calloc((size_t)L, sizeof *c->replay);
-    if (!c->feats || !c->tapbuf || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
+    if (!c->feats || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
         !c->rec_a || !c->rec_b || !c->replay)
         goto oom;
     c->redirect = (df_gdn_redirect){.qkv = c->rec_qkv, .z = c->rec_z, .a = c->rec_a, .b = c->rec_b,
@@ -262,6 +260,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
     spec_ctx c;
     df_status st = ctx_init(&c, s, dc, err);
     if (st != DF_OK) return st;
+    c.host_ctx = df_drafter_engine(df_draft_state_drafter(ds))->be != s->be;
     float *logits = malloc((size_t)DF_MAX_ROWS * (size_t)V * sizeof(float));
     if (!logits) {
         ctx_free(&c);
@@ -288,9 +287,8 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         s->tap = in_window ? on_tap : NULL;
         st = df_target_forward_rows(s, prompt + i, M, last ? logits : NULL, M - 1, err);
         if (st == DF_OK && in_window) {
-            fetch_taps(&c);
             int skip = n_prompt - window > i ? n_prompt - window - i : 0;
-            st = df_draft_add_context(ds, c.feats + (size_t)skip * (size_t)c.F, M - skip, i + skip, err);
+            st = add_taps(&c, ds, skip, M - skip, i + skip, err);
         }
     }
     s->tap = on_tap;
@@ -334,7 +332,6 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         st = df_target_forward_argmax(s, rows, Bv, t, err);
         s->gdn_redirect = NULL;
         if (st != DF_OK) break;
-        fetch_taps(&c);
         phase_end(&c, &sp, ph_ms, 1, &tp, Bv >= 2);
         int a = 0;
         while (a < Bv - 1 && rows[a + 1] == t[a]) a++;
@@ -360,7 +357,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
         }
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
-        st = df_draft_add_context(ds, c.feats, a + 1, p0, err);
+        st = add_taps(&c, ds, 0, a + 1, p0, err);
         phase_end(&c, &sp, ph_ms, 3, &tp, Bv >= 2);
         bonus = t[a];
         if (sp.adaptive && Bv >= 2) {

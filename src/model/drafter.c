@@ -390,6 +390,7 @@ void df_drafter_free(df_drafter *d) {
 }
 
 const df_drafter_config *df_drafter_get_config(const df_drafter *d) { return &d->cfg; }
+const df_engine *df_drafter_engine(const df_drafter *d) { return d->eng; }
 
 /* ---- quantization at load ------------------------------------------------------------------ */
 
@@ -585,7 +586,10 @@ static df_attn_shape attn_shape(const df_drafter_config *c, int l) {
     return sh;
 }
 
-df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int32_t first_pos, df_error *err) {
+/* df_draft_add_context and df_draft_add_context_device: feats on the host (on_device 0) or in
+ * the drafter backend's memory. */
+static df_status add_context(df_draft_state *s, const float *feats, int on_device, int n, int32_t first_pos,
+                             df_error *err) {
     df_drafter *d = s->d;
     const df_drafter_config *c = &d->cfg;
     df_backend *be = dbe(d);
@@ -610,8 +614,12 @@ df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int
         int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
         int32_t pos[DF_MAX_ROWS];
         for (int m = 0; m < M; m++) pos[m] = first_pos + i + m;
-        op->to_device(be, s->t1, feats + (size_t)i * (size_t)F, (size_t)M * (size_t)F * sizeof(float));
-        op->linear(be, &d->fc, s->t1, M, s->y);
+        const float *fi = feats + (size_t)i * (size_t)F;
+        if (!on_device) {
+            op->to_device(be, s->t1, fi, (size_t)M * (size_t)F * sizeof(float));
+            fi = s->t1;
+        }
+        op->linear(be, &d->fc, fi, M, s->y);
         op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
         for (int l = 0; l < c->n_layers; l++) {
             const draft_layer *L = &d->layers[l];
@@ -626,6 +634,15 @@ df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int
         return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
     }
     return DF_OK;
+}
+
+df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int32_t first_pos, df_error *err) {
+    return add_context(s, feats, 0, n, first_pos, err);
+}
+
+df_status df_draft_add_context_device(df_draft_state *s, const float *feats, int n, int32_t first_pos,
+                                      df_error *err) {
+    return add_context(s, feats, 1, n, first_pos, err);
 }
 
 static float cb_at(const df_tensor *t, size_t i) {

@@ -624,6 +624,29 @@ static void test_prep_shared(void **state) {
     free(yb);
 }
 
+/* copy_rows on the device == the host's row loop: 16 rows of a tap (5120 floats) into their
+ * columns of a [16, 5·5120] buffer, nothing else touched. */
+static void test_copy_rows_gpu(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const size_t H = 5120, F = 5 * H, R = DF_MAX_ROWS;
+    float *src = malloc(R * H * 4), *dst = malloc(R * F * 4), *got = malloc(R * F * 4);
+    for (size_t i = 0; i < R * H; i++) src[i] = (float)i;
+    for (size_t i = 0; i < R * F; i++) dst[i] = -1.0f;
+    float *ds = dput(be, src, R * H * 4), *dd = dput(be, dst, R * F * 4);
+    be->ops->copy_rows(be, dd + 3 * H, F * 4, ds, H * 4, H * 4, (int)R);
+    dget(be, got, dd, R * F * 4);
+    gpu_ok(be, "copy_rows");
+    for (size_t r = 0; r < R; r++) memcpy(dst + r * F + 3 * H, src + r * H, H * 4);
+    if (memcmp(got, dst, R * F * 4) != 0) fail_msg("copy_rows on the device differs from the row loop");
+    dfree_(be, ds);
+    dfree_(be, dd);
+    free(src);
+    free(dst);
+    free(got);
+}
+
 /* copy has memmove semantics on the device too: overlapping ranges in both directions (the
  * drafter shifts its KV cache down in place once its window is full), and a disjoint copy. */
 static void test_copy_overlap(void **state) {
@@ -661,10 +684,11 @@ static void test_copy_overlap(void **state) {
 
 /* ---- attention ---------------------------------------------------------------------------------------- */
 
-/* The attention of DF_MAX_ROWS rows (q, k: host rows; the caches already hold them) with the
- * chunks staged in shared memory for all rows == want (the default: per row through L2 for more
- * than one row), bit for bit; the default kernels afterwards. The M-row loop of attention_case
- * compares the staged kernel of one row with the per-row kernel of M rows. */
+/* The attention of DF_MAX_ROWS rows (q, k: host rows; the caches already hold them) with each
+ * chunk staged in shared memory once per group of 1, 2, 3 or 4 rows (k_attn_staged) == want (the
+ * default for more than one row: per-row blocks through L2, k_attn_part), bit for bit; the
+ * default kernels afterwards. The M-row loop of attention_case compares the per-row kernel of M
+ * rows with the staged kernel of one row. */
 static void attention_kernels_agree(df_backend *be, const df_attn_shape *sh, float *dq, float *dk, const float *dv,
                                     const float *q, const float *k, const float *qn, const float *kn,
                                     const int32_t *pos, float *dkc, float *dvc, int p0, float *dout, const float *want) {
@@ -672,15 +696,21 @@ static void attention_kernels_agree(df_backend *be, const df_attn_shape *sh, flo
     const int R = DF_MAX_ROWS, qd = sh->n_heads * (sh->gated ? 2 : 1) * sh->head_dim,
               kd = sh->n_kv_heads * sh->head_dim, od = sh->n_heads * sh->head_dim;
     float *got = malloc((size_t)R * od * 4);
-    df_backend_cuda_set_attn_staged(be, R);
-    be->ops->to_device(be, dq, q, (size_t)R * qd * 4);
-    be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
-    be->ops->attention(be, sh, dq, dk, dv, qn, kn, pos, R, dkc, dvc, p0, dout);
-    dget(be, got, dout, (size_t)R * od * 4);
+    for (int g = 1; g <= 4; g++) {
+        df_backend_cuda_set_attn_staged(be, R);
+        df_backend_cuda_set_attn_group(be, g);
+        be->ops->to_device(be, dq, q, (size_t)R * qd * 4);
+        be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
+        be->ops->attention(be, sh, dq, dk, dv, qn, kn, pos, R, dkc, dvc, p0, dout);
+        dget(be, got, dout, (size_t)R * od * 4);
+        gpu_ok(be, "attention (staged chunks)");
+        if (memcmp(got, want, (size_t)R * od * 4) != 0)
+            fail_msg("attention (hd %d, causal %d): the staged kernel in groups of %d rows and the per-row kernel "
+                     "differ",
+                     sh->head_dim, sh->causal, g);
+    }
     df_backend_cuda_set_attn_staged(be, 1);
-    gpu_ok(be, "attention (staged chunks)");
-    if (memcmp(got, want, (size_t)R * od * 4) != 0)
-        fail_msg("attention (hd %d, causal %d): the staged and per-row chunk kernels differ", sh->head_dim, sh->causal);
+    df_backend_cuda_set_attn_group(be, 1);
     free(got);
 #else
     (void)be, (void)sh, (void)dq, (void)dk, (void)dv, (void)q, (void)k, (void)qn, (void)kn, (void)pos, (void)dkc,
@@ -1186,7 +1216,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
-        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_prep_shared),
+        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

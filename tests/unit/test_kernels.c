@@ -316,6 +316,23 @@ static void test_elementwise_rows(void **state) {
     be->ops->destroy(be);
 }
 
+/* copy_rows: rows of a strided source into their places in a strided destination (the taps of a
+ * verify pass gathered into the drafter's [rows, n_taps·hidden] layout), nothing else touched. */
+static void test_copy_rows(void **state) {
+    (void)state;
+    df_backend *be = backend(1);
+    enum { ROWS = 5, W = 24, SP = 40, DP = 120 };
+    float src[ROWS * SP], dst[ROWS * DP], want[ROWS * DP];
+    for (int i = 0; i < ROWS * SP; i++) src[i] = (float)i;
+    for (int i = 0; i < ROWS * DP; i++) dst[i] = want[i] = -1.0f;
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < W; j++) want[r * DP + 48 + j] = src[r * SP + j];
+    assert_non_null(be->ops->copy_rows);
+    be->ops->copy_rows(be, dst + 48, DP * sizeof(float), src, SP * sizeof(float), W * sizeof(float), ROWS);
+    assert_memory_equal(dst, want, sizeof dst);
+    be->ops->destroy(be);
+}
+
 /* The Hadamard transform is orthogonal: applying it twice gives the input back. */
 static void test_hadamard_involution(void **state) {
     (void)state;
@@ -339,6 +356,7 @@ int main(void) {
         cmocka_unit_test(test_gdn_rows),
         cmocka_unit_test(test_elementwise_rows),
         cmocka_unit_test(test_hadamard_involution),
+        cmocka_unit_test(test_copy_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -191,6 +191,12 @@ static void cpu_copy(df_backend *be, void *dst, const void *src, size_t n) {
     (void)be;
     if (n) memmove(dst, src, n);
 }
+static void cpu_copy_rows(df_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                          size_t row_bytes, int rows) {
+    (void)be;
+    for (int r = 0; r < rows; r++)
+        memmove((char *)dst + (size_t)r * dst_pitch, (const char *)src + (size_t)r * src_pitch, row_bytes);
+}
 static void cpu_zero(df_backend *be, void *dst, size_t n) {
     (void)be;
     if (n) memset(dst, 0, n);
@@ -612,6 +618,7 @@ static const df_backend_ops cpu_ops = {
     .dealloc = cpu_dealloc,
     .to_device = cpu_copy,
     .to_host = cpu_copy,
+    .copy_rows = cpu_copy_rows,
     .copy = cpu_copy,
     .zero = cpu_zero,
     .embed = cpu_embed,

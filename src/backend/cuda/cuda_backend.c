@@ -736,6 +736,35 @@ static void cu_copy(df_backend *be, void *dst, const void *src, size_t n) {
     record(cb, run_copy, "copy", &a, sizeof a);
 }
 
+typedef struct a_copy_rows {
+    void *dst;
+    const void *src;
+    size_t dpitch, spitch, width;
+    int rows;
+} a_copy_rows;
+
+static int run_copy_rows(cuda_backend *cb, const void *args) {
+    const a_copy_rows *a = args;
+    return (int)cudaMemcpy2DAsync(a->dst, a->dpitch, a->src, a->spitch, a->width, (size_t)a->rows,
+                                  cudaMemcpyDeviceToDevice, cb->stream);
+}
+
+/* backend.h `copy_rows`: one strided device-to-device copy. */
+static void cu_copy_rows(df_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                         size_t row_bytes, int rows) {
+    cuda_backend *cb = cub(be);
+    if (rows <= 0 || !row_bytes) return;
+    a_copy_rows a;
+    memset(&a, 0, sizeof a);
+    a.dst = dst;
+    a.src = src;
+    a.dpitch = dst_pitch;
+    a.spitch = src_pitch;
+    a.width = row_bytes;
+    a.rows = rows;
+    record(cb, run_copy_rows, "copy_rows", &a, sizeof a);
+}
+
 static void cu_zero(df_backend *be, void *dst, size_t n) {
     if (!n) return;
     a_copy a;
@@ -1599,6 +1628,7 @@ static const df_backend_ops cuda_ops = {
     .to_device = cu_to_device,
     .to_host = cu_to_host,
     .copy = cu_copy,
+    .copy_rows = cu_copy_rows,
     .zero = cu_zero,
     .embed = cu_embed,
     .linear = cu_linear,
@@ -1707,6 +1737,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
     const char *ast = getenv("DFLASH_CUDA_ATTN_STAGED"); /* rows per call staged at most (the same bits) */
     dfk_set_attn_staged(ast ? atoi(ast) : 1);
+    const char *aar = getenv("DFLASH_CUDA_ATTN_GROUP"); /* rows per staged block, 1..4 (the same bits) */
+    dfk_set_attn_group(aar ? atoi(aar) : 1);
     const char *qst = getenv("DFLASH_CUDA_QSTAGE"); /* k_lin_qb's ring shape (dfk_set_q_stage) */
     dfk_set_q_stage(qst ? atoi(qst) : 0);
     const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
@@ -1765,6 +1797,7 @@ void df_backend_cuda_set_gdn_fused(df_backend *be, int on) { set_between_steps(b
 void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows) {
     set_between_steps(be, dfk_set_attn_staged, max_rows);
 }
+void df_backend_cuda_set_attn_group(df_backend *be, int rows) { set_between_steps(be, dfk_set_attn_group, rows); }
 
 void df_backend_cuda_sync(df_backend *be) {
     step_run(cub(be));

@@ -69,10 +69,13 @@ void df_backend_cuda_sync(df_backend *be);
  * The same bits either way (tests compare them); process-wide, set between steps. */
 void df_backend_cuda_set_gdn_fused(df_backend *be, int on);
 
-/* Attention calls of at most max_rows rows (default 1, DFLASH_CUDA_ATTN_STAGED=N) stage each
- * chunk in shared memory for all their rows; others read it per row through L2. The same bits
- * either way (tests compare them); process-wide, set between steps. */
+/* Attention calls of at most max_rows rows (default 1, DFLASH_CUDA_ATTN_STAGED=N; 0: none) stage
+ * each chunk in shared memory, once per group of DFLASH_CUDA_ATTN_GROUP rows (1..4, default 1),
+ * which run over it together; others read it per row through L2. The same bits either way
+ * (tests compare them); process-wide, set between steps. */
 void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows);
+/* Rows per staged attention block (1..4; DFLASH_CUDA_ATTN_GROUP): see above. */
+void df_backend_cuda_set_attn_group(df_backend *be, int rows);
 
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per
  * second, GB/s). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */

@@ -896,23 +896,27 @@ extern "C" int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scal
 
 /* ---- embedding --------------------------------------------------------------------------------- */
 
+/* Block (m, s): columns [s·seg, (s + 1)·seg) of row m (seg: the Hadamard block, or the whole
+ * row without one): the dequantized codes (or dense values), rotated in their block, as fp16
+ * values like MLX's embedding. The rotation blocks are independent, so the split changes no bit. */
 __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__restrict__ scales,
                         const uint16_t *__restrict__ biases, int sb_bf16, int bits, int gs, const void *dense,
-                        int wdtype, int rows, int cols, const float *__restrict__ signs, int hb, float hscale,
-                        const int32_t *__restrict__ ids, float *__restrict__ out) {
+                        int wdtype, int rows, int cols, int seg, const float *__restrict__ signs, int hb,
+                        float hscale, const int32_t *__restrict__ ids, float *__restrict__ out) {
     K_TR_ENTRY();
     extern __shared__ float sm[];
-    const int m = blockIdx.x, id = ids[m];
-    float *o = out + (size_t)m * (size_t)cols;
+    const int m = blockIdx.x, id = ids[m], c0 = (int)blockIdx.y * seg;
+    float *o = out + (size_t)m * (size_t)cols + (size_t)c0;
     if (id < 0 || id >= rows) {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = 0.0f;
+        for (int i = threadIdx.x; i < seg; i += blockDim.x) o[i] = 0.0f;
         return;
     }
     if (bits > 0) {
         const size_t wpr = (size_t)cols * (size_t)bits / 32;
         const int ng = cols / gs;
         const uint32_t *row = codes + (size_t)id * wpr;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        for (int j = threadIdx.x; j < seg; j += blockDim.x) {
+            const int i = c0 + j;
             size_t bit = (size_t)i * (size_t)bits;
             size_t wi = bit / 32;
             unsigned sh = (unsigned)(bit % 32);
@@ -921,26 +925,31 @@ __global__ void k_embed(const uint32_t *__restrict__ codes, const uint16_t *__re
             v &= (1u << bits) - 1u;
             size_t k = (size_t)id * (size_t)ng + (size_t)(i / gs);
             float s = h16_to_f32(scales[k], sb_bf16), b = h16_to_f32(biases[k], sb_bf16);
-            sm[i] = __half2float(__float2half_rn(s * (float)v + b));
+            sm[j] = __half2float(__float2half_rn(s * (float)v + b));
         }
     } else {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x)
-            sm[i] = dense_at(dense, wdtype, (size_t)id * (size_t)cols + (size_t)i);
+        for (int j = threadIdx.x; j < seg; j += blockDim.x)
+            sm[j] = dense_at(dense, wdtype, (size_t)id * (size_t)cols + (size_t)(c0 + j));
     }
     __syncthreads();
     if (hb > 0) {
-        smem_hadamard(sm, cols, hb, hscale);
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) sm[i] = __half2float(__float2half_rn(sm[i] * signs[i]));
+        smem_hadamard(sm, seg, hb, hscale);
+        for (int j = threadIdx.x; j < seg; j += blockDim.x)
+            sm[j] = __half2float(__float2half_rn(sm[j] * signs[c0 + j]));
         __syncthreads();
     }
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = sm[i];
+    for (int j = threadIdx.x; j < seg; j += blockDim.x) o[j] = sm[j];
 }
 
 extern "C" int dfk_embed(const uint32_t *codes, const uint16_t *scales, const uint16_t *biases, int sb_bf16, int bits,
                          int gs, const void *dense, int wdtype, int rows, int cols, const float *signs, int hb,
                          float hscale, const int32_t *ids, int M, float *out) {
-    k_embed<<<(unsigned)M, 256, (size_t)cols * sizeof(float), g_stream>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
-                                                                wdtype, rows, cols, signs, hb, hscale, ids, out);
+    /* a block per rotation block of a row (one per row without a rotation, or where the
+     * rotation blocks do not tile the row) */
+    const int seg = hb > 0 && cols % hb == 0 ? hb : cols;
+    const dim3 grid((unsigned)M, (unsigned)(cols / seg));
+    k_embed<<<grid, 256, (size_t)seg * sizeof(float), g_stream>>>(codes, scales, biases, sb_bf16, bits, gs, dense,
+                                                                  wdtype, rows, cols, seg, signs, hb, hscale, ids, out);
     return launch_status();
 }
 
@@ -1170,13 +1179,13 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
  * of a KV group: scores (a warp per position, four positions at a time: lanes over d in a fixed
  * order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
  * o[d] = Σ_t p_t v_t[d] in position order. Two kernels compute it with the same arithmetic
- * (attn_chunk_row), so the same bits: k_attn_part, a block per (row, chunk, KV head) reading K
- * and V through L2; k_attn_staged, a block per (chunk, KV head) that copies the chunk's K and V
- * rows into shared memory once (a bulk copy per row, all in flight together) and runs every row
- * over them,
- * one after the other. On the H200 (docs/PERFORMANCE.md) the staged kernel halves a decode
- * step's attention (18.5 against 35 us per layer at 1k context) but its rows in sequence cost
- * more than the per-row blocks from 2 rows on: calls of one row run it. */
+ * (attn_chunk_row, attn_chunk_rows), so the same bits: k_attn_part, a block per (row, chunk, KV
+ * head) reading K and V through L2; k_attn_staged, a block per (chunk, KV head, group of up to
+ * ATTN_AR rows) that copies the chunk's K and V rows into shared memory once (a bulk copy per row,
+ * all in flight together) and runs the group's rows over them together. On the H200
+ * (docs/PERFORMANCE.md) the staged kernel halves a decode step's attention (18.5 against 35 us
+ * per layer at 1k context); with its rows one after the other it cost more than the per-row
+ * blocks from 2 rows on, hence the groups. */
 #define ATTN_MAX_G 16
 static int g_attn_chunk = 64; /* measured best at 1k context, within 8% of 128 at 32k (PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
@@ -1312,25 +1321,148 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
                               (size_t)nchunk * (size_t)(hd + 2));
 }
 
-/* Dynamic shared memory of k_attn_staged: K and V rows of a chunk, then one row's q. */
-static size_t attn_staged_smem(int chunk, int hd, int G) { return ((size_t)2 * chunk * hd + (size_t)G * hd) * 4; }
+/* Rows of one k_attn_staged block at most: a group of rows runs over the staged chunk together
+ * (the warps split among them); more rows take more groups (blocks), each staging the chunk.
+ * The group size is g_attn_ar (dfk_set_attn_group; the same bits for any). */
+#define ATTN_AR 4
+static int g_attn_ar = 1;
+extern "C" void dfk_set_attn_group(int rows) { g_attn_ar = rows >= 1 && rows <= ATTN_AR ? rows : 1; }
 
+/* The rows r < nr of a row group over one chunk staged in shared memory, together (the block's
+ * threads): sq [nr][G·hd] their q, K/V position t at kb/vb + t·hd, sn[r] row r's positions in
+ * the chunk (0: none), sc [nr·G][chunk], smx/ssum [nr·G] shared scratch; row r's part rows at
+ * pr0 + r·rstride + gi·gstride. The warps split into nr groups, one per row, each running
+ * attn_chunk_row's scores over its row's positions; then a warp per (row, head) for the max and
+ * exp-sum; then the outputs, the rows over the threads where hd leaves threads free. Every
+ * (row, position, head) score, (row, head) softmax and (row, head, dim) output has
+ * attn_chunk_row's operations in its order, so every row's bits are attn_chunk_row's. */
+template <int GM>
+static __device__ __forceinline__ void attn_chunk_rows(const float *sq, const float *kb, const float *vb, int nr,
+                                                       const int *sn, int G, int hd, int chunk, float scale, float *sc,
+                                                       float *smx, float *ssum, float *pr0, size_t rstride,
+                                                       size_t gstride) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int wpr = nw / nr, r = warp / wpr, wl = warp % wpr; /* nr <= ATTN_AR <= nw */
+    if (r < nr) {
+        const int n = sn[r];
+        const float *sqr = sq + (size_t)r * (size_t)(G * hd);
+        float *scr = sc + (size_t)r * (size_t)G * (size_t)chunk;
+        for (int tt0 = wl; tt0 < n; tt0 += wpr * 4) {
+            float acc[4][GM];
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
+#pragma unroll 2
+            for (int d = lane; d < hd; d += 32) {
+                float kv[4];
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    const int tt = tt0 + p * wpr;
+                    kv[p] = tt < n ? kb[(size_t)tt * (size_t)hd + (size_t)d] : 0.0f;
+                }
+#pragma unroll
+                for (int gi = 0; gi < GM; gi++) {
+                    if (gi >= G) break;
+                    const float qd = sqr[gi * hd + d];
+#pragma unroll
+                    for (int p = 0; p < 4; p++) acc[p][gi] = acc[p][gi] + qd * kv[p];
+                }
+            }
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const int tt = tt0 + p * wpr;
+#pragma unroll
+                for (int gi = 0; gi < GM; gi++) {
+                    if (gi >= G) break;
+                    float v = warp_sum(acc[p][gi]);
+                    if (lane == 0 && tt < n) scr[(size_t)gi * (size_t)chunk + (size_t)tt] = v * scale;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    /* per (row, head) (a warp each): attn_chunk_row's max and exp-sum */
+    for (int pg = warp; pg < nr * G; pg += nw) {
+        const int n = sn[pg / G];
+        float *sr = sc + (size_t)pg * (size_t)chunk;
+        float mx = -INFINITY;
+        for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sr[tt]);
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+        float acc = 0.0f;
+        for (int tt = lane; tt < n; tt += 32) {
+            float p = expf(sr[tt] - mx);
+            sr[tt] = p;
+            acc = acc + p;
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            smx[pg] = mx;
+            ssum[pg] = acc;
+        }
+    }
+    __syncthreads();
+    /* outputs: thread (row slot, d); the rows a slot takes one after the other */
+    const int slots = (int)blockDim.x / hd > 0 ? (int)blockDim.x / hd : 1;
+    const int slot = (int)threadIdx.x / hd;
+    for (int rr = slot; rr < nr && slot < slots; rr += slots) {
+        const int n = sn[rr];
+        if (n == 0) continue;
+        const float *scr = sc + (size_t)rr * (size_t)G * (size_t)chunk;
+        for (int d = (int)threadIdx.x % hd; d < hd; d += slots > 1 ? hd : (int)blockDim.x) {
+            float o[GM];
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
+#pragma unroll 16
+            for (int tt = 0; tt < n; tt++) {
+                const float vv = vb[(size_t)tt * (size_t)hd + (size_t)d];
+#pragma unroll
+                for (int gi = 0; gi < GM; gi++)
+                    if (gi < G) o[gi] = o[gi] + scr[(size_t)gi * (size_t)chunk + (size_t)tt] * vv;
+            }
+            float *pr = pr0 + (size_t)rr * rstride;
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) break;
+                pr[(size_t)gi * gstride + (size_t)d] = o[gi];
+            }
+        }
+    }
+    for (int i = threadIdx.x; i < nr * G; i += blockDim.x) {
+        if (sn[i / G] == 0) continue;
+        float *pr = pr0 + (size_t)(i / G) * rstride + (size_t)(i % G) * gstride;
+        pr[hd] = smx[i];
+        pr[hd + 1] = ssum[i];
+    }
+}
+
+/* Dynamic shared memory of k_attn_staged: K and V rows of a chunk, then a row group's q, then
+ * its scores (floats: 2·chunk·hd + ar·G·hd + ar·G·chunk for groups of ar rows). */
+static size_t attn_staged_smem(int chunk, int hd, int G, int ar) {
+    return ((size_t)2 * chunk * hd + (size_t)ar * G * hd + (size_t)ar * G * chunk) * 4;
+}
+
+/* A block per (chunk, KV head, group of ar <= ATTN_AR rows): the chunk's K and V rows copied into
+ * shared memory once (a bulk copy per row, all in flight together), then the group's rows over
+ * them together (attn_chunk_rows). */
 template <int GM>
 __global__ void __launch_bounds__(256) k_attn_staged(const float *q, int qstride, int nh, int nkv, int hd,
                                                      const float *k_cache, const float *v_cache, float scale,
                                                      int causal, const int32_t *pos0p, int M, int nchunk, int chunk,
-                                                     float *part) {
+                                                     int ar, float *part) {
     k_pdl_begin();
     const int pos0 = __ldcg(pos0p);
     extern __shared__ __align__(16) float ast[];
-    __shared__ float sc[GM][DFK_ATTN_CHUNK];
-    __shared__ float smx[GM], ssum[GM];
+    __shared__ float smx[ATTN_AR * GM], ssum[ATTN_AR * GM];
+    __shared__ int sn[ATTN_AR];
     __shared__ __align__(8) uint64_t kv_bar;
     const int c = blockIdx.x, kvh = blockIdx.y, G = nh / nkv;
-    const int t0 = c * chunk, lmax = pos0 + M; /* the longest row's length (causal or not) */
+    const int m0 = (int)blockIdx.z * ar, nr = M - m0 < ar ? M - m0 : ar;
+    const int t0 = c * chunk, lmax = causal ? pos0 + m0 + nr : pos0 + M; /* the group's longest row */
     if (t0 >= lmax) return;
     const int nmax = (lmax < t0 + chunk ? lmax : t0 + chunk) - t0;
     float *sk = ast, *sv = ast + (size_t)chunk * hd, *sq = ast + (size_t)2 * chunk * hd;
+    float *sc = sq + (size_t)ar * G * hd;
     const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     /* one bulk copy per K or V row (hd floats), all in flight at once, on one mbarrier */
     const uint32_t bar = (uint32_t)__cvta_generic_to_shared(&kv_bar);
@@ -1339,24 +1471,26 @@ __global__ void __launch_bounds__(256) k_attn_staged(const float *q, int qstride
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbar_expect(bar, (unsigned)(2 * nmax * hd * 4));
     }
+    if ((int)threadIdx.x < ATTN_AR) {
+        const int r = threadIdx.x, len = causal ? pos0 + m0 + r + 1 : lmax;
+        sn[r] = r >= nr || t0 >= len ? 0 : (len < t0 + chunk ? len : t0 + chunk) - t0;
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < 2 * nmax; i += blockDim.x) {
         const int w = i >= nmax, t = w ? i - nmax : i;
         bulk_copy((uint32_t)__cvta_generic_to_shared((w ? sv : sk) + (size_t)t * hd),
                   (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
     }
-    mbar_wait(bar, 0u);
-    for (int m = 0; m < M; m++) {
-        const int len = causal ? pos0 + m + 1 : lmax;
-        if (t0 >= len) continue;
-        const int n = (len < t0 + chunk ? len : t0 + chunk) - t0;
-        attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
-        float *pr =
-            part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
-        attn_chunk_row<GM, true>(sq, sk, sv, (size_t)hd, n, G, hd, scale, sc, smx, ssum, pr,
-                                 (size_t)nchunk * (size_t)(hd + 2));
-        __syncthreads(); /* sq, sc and smx are read until here */
+    /* the group's q while the copies are in flight */
+    for (int i = threadIdx.x; i < nr * G * hd; i += blockDim.x) {
+        const int r = i / (G * hd), gi = (i / hd) % G, d = i % hd;
+        sq[i] = __ldcg(&q[((size_t)(m0 + r) * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
     }
+    __syncthreads();
+    mbar_wait(bar, 0u);
+    const size_t gstride = (size_t)nchunk * (size_t)(hd + 2);
+    float *pr0 = part + (((size_t)m0 * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
+    attn_chunk_rows<GM>(sq, sk, sv, nr, sn, G, hd, chunk, scale, sc, smx, ssum, pr0, (size_t)nh * gstride, gstride);
 }
 
 /* One block per (head, row, 32 output dims): 256 threads = 8 chunk groups x 32 dims. The
@@ -1424,11 +1558,12 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
     if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
     const int G = nh / nkv;
     int st;
-    const size_t ssm = attn_staged_smem(g_attn_chunk, hd, G);
+    const int ar = M < g_attn_ar ? M : g_attn_ar; /* rows per staged block */
+    const size_t ssm = attn_staged_smem(g_attn_chunk, hd, G, ar);
     if (M <= g_attn_staged && hd % 4 == 0 && ssm <= ATTN_STAGED_MAX) {
-        dim3 g1((unsigned)nchunk, (unsigned)nkv);
+        dim3 g1((unsigned)nchunk, (unsigned)nkv, (unsigned)((M + ar - 1) / ar));
         void (*kern)(const float *, int, int, int, int, const float *, const float *, float, int, const int32_t *, int,
-                     int, int, float *) = G <= 2   ? k_attn_staged<2>
+                     int, int, int, float *) = G <= 2   ? k_attn_staged<2>
                                           : G <= 4 ? k_attn_staged<4>
                                           : G <= 8 ? k_attn_staged<8>
                                                    : k_attn_staged<16>;
@@ -1440,7 +1575,7 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
             raised[ki] = (const void *)kern;
         }
         st = launch_k(kern, g1, dim3(256), ssm, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
-                      nchunk, g_attn_chunk, part);
+                      nchunk, g_attn_chunk, ar, part);
     } else {
         dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
         if (G <= 2)

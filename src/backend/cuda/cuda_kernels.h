@@ -293,10 +293,14 @@ int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, 
 void dfk_set_attn_chunk(int chunk);
 int dfk_attn_chunk(void);
 /* Calls of at most max_rows rows (default 1; 0: none) stage each attention chunk's K and V rows
- * in shared memory once for all their rows (k_attn_staged); others read them per (row, chunk)
- * block through L2 (k_attn_part). The same arithmetic, so the same bits for any choice.
+ * in shared memory once per group of rows (dfk_set_attn_group; k_attn_staged); others read them
+ * per (row, chunk) block through L2 (k_attn_part). The same arithmetic, so the same bits for any choice.
  * Process-wide; set between steps. */
 void dfk_set_attn_staged(int max_rows);
+/* Rows per staged block (1..4, default 1): a staged call's rows run in groups of this many, each
+ * group a block that stages the chunk; the rows of a group run over it together. The same bits
+ * for any choice. Process-wide; set between steps. */
+void dfk_set_attn_group(int rows);
 
 /* ---- timeline trace (experiments: DFLASH_CUDA_TRACE) ----------------------------------------- */
 
