@@ -1898,9 +1898,12 @@ __global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float
     gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc);
 }
 
-/* Layer blockIdx.y of a job table: its recurrence, states only, in place. */
+/* Layer blockIdx.y of a job table: its recurrence, states only, in place. Two blocks per SM
+ * (at most 64 registers a thread): a settle's 48 x 48 blocks run in half the waves of one block
+ * per SM (the compiler's choice without the bound: 127 registers), for a few bytes of spills;
+ * register allocation only, so the same bits. */
 template <int SPT>
-__global__ void __launch_bounds__(512) k_gdn_rec_multi(const dfk_gdn_job *jobs, int nk, int nv, int dv, float eps,
+__global__ void __launch_bounds__(512, 2) k_gdn_rec_multi(const dfk_gdn_job *jobs, int nk, int nv, int dv, float eps,
                                                        int M) {
     k_pdl_begin();
     const dfk_gdn_job &J = jobs[blockIdx.y];
