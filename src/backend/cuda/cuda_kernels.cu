@@ -1208,7 +1208,7 @@ static __device__ __forceinline__ float attn_ld(const float *base, size_t i) {
 /* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
  * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
  * part rows pr + gi·nchunk·(hd + 2) for gi < G. */
-template <int GM, bool SM>
+template <int GM, bool SM, bool DEEP = false>
 static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
                                                       int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
                                                       float *smx, float *ssum, float *pr, size_t gstride) {
@@ -1219,7 +1219,7 @@ static __device__ __forceinline__ void attn_chunk_row(const float *sq, const flo
         for (int p = 0; p < 4; p++)
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
-#pragma unroll 2
+#pragma unroll(DEEP ? 8 : 2)
         for (int d = lane; d < hd; d += 32) {
             float kv[4];
 #pragma unroll
@@ -1270,7 +1270,7 @@ static __device__ __forceinline__ void attn_chunk_row(const float *sq, const flo
         float o[GM];
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
-#pragma unroll 16
+#pragma unroll(DEEP ? 32 : 16)
         for (int tt = 0; tt < n; tt++) {
             const float vv = attn_ld<SM>(vb, (size_t)tt * kvs + (size_t)d);
 #pragma unroll
@@ -1299,7 +1299,10 @@ static __device__ __forceinline__ void attn_load_q(const float *q, int qstride, 
     __syncthreads();
 }
 
-template <int GM>
+/* DEEP: more loads of K and V in flight per thread (unrolled further, more registers), for calls
+ * of few blocks, which wait on latency; many blocks (long contexts) run better at the higher
+ * occupancy of the shallow form. The same operations in the same order either way. */
+template <int GM, bool DEEP>
 __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
                                                    const float *k_cache, const float *v_cache, float scale, int causal,
                                                    const int32_t *pos0p, int M, int nchunk, int chunk,
@@ -1317,8 +1320,8 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
     const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
-    attn_chunk_row<GM, false>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
-                              (size_t)nchunk * (size_t)(hd + 2));
+    attn_chunk_row<GM, false, DEEP>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
+                                    (size_t)nchunk * (size_t)(hd + 2));
 }
 
 /* Rows of one k_attn_staged block at most: a group of rows runs over the staged chunk together
@@ -1551,6 +1554,20 @@ __global__ void __launch_bounds__(256) k_attn_combine(const float *q, int qstrid
     }
 }
 
+/* k_attn_part for G query heads per KV head. */
+template <bool DEEP>
+static int attn_part_launch(int G, dim3 g1, const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache,
+                            const float *v_cache, float scale, int causal, const int32_t *pos0, int M, int nchunk,
+                            float *part) {
+    void (*kern)(const float *, int, int, int, int, const float *, const float *, float, int, const int32_t *, int,
+                 int, int, float *) = G <= 2   ? k_attn_part<2, DEEP>
+                                      : G <= 4 ? k_attn_part<4, DEEP>
+                                      : G <= 8 ? k_attn_part<8, DEEP>
+                                               : k_attn_part<16, DEEP>;
+    return launch_k(kern, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk,
+                    g_attn_chunk, part);
+}
+
 extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                              const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part,
                              float *out) {
@@ -1578,18 +1595,14 @@ extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int
                       nchunk, g_attn_chunk, ar, part);
     } else {
         dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
-        if (G <= 2)
-            st = launch_k(k_attn_part<2>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                          pos0, M, nchunk, g_attn_chunk, part);
-        else if (G <= 4)
-            st = launch_k(k_attn_part<4>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                          pos0, M, nchunk, g_attn_chunk, part);
-        else if (G <= 8)
-            st = launch_k(k_attn_part<8>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                          pos0, M, nchunk, g_attn_chunk, part);
+        /* deep loads where the call has few blocks (nchunk: the chunks of the cache at hand,
+         * rounded up to a power of two) */
+        if ((size_t)M * (size_t)nchunk * (size_t)nkv <= (size_t)8 * (size_t)g_sms)
+            st = attn_part_launch<true>(G, g1, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
+                                        nchunk, part);
         else
-            st = launch_k(k_attn_part<16>, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
-                          pos0, M, nchunk, g_attn_chunk, part);
+            st = attn_part_launch<false>(G, g1, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
+                                         nchunk, part);
     }
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M, (unsigned)((hd + 31) / 32));
@@ -1673,12 +1686,14 @@ static __device__ __forceinline__ void gdn_conv_store(int C, int K, int ch, cons
         if (j < K - 1) state[(size_t)j * (size_t)C + (size_t)ch] = win[j];
 }
 
-/* The conv of channel block blockIdx.x (k_gdn_conv, k_gdn_conv_multi). */
+/* The conv of channel block blockIdx.x (k_gdn_conv, k_gdn_conv_multi), with windows of KM
+ * registers (K <= KM). */
+template <int KM = GDN_MAX_K>
 static __device__ __forceinline__ void gdn_conv_block(const float *qkv, const float *w, int C, int K, int M,
                                                       const float *state_in, float *state, float *out) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
-    float win[GDN_MAX_K], wk[GDN_MAX_K];
+    float win[KM], wk[KM];
     gdn_conv_load(w, C, K, ch, state_in, win, wk);
     for (int m0 = 0; m0 < M; m0 += 16)
         gdn_conv_rows(qkv, C, K, ch, m0, M - m0 < 16 ? M - m0 : 16, win, wk, out + (size_t)m0 * (size_t)C + (size_t)ch,
@@ -1692,11 +1707,14 @@ __global__ void k_gdn_conv(const float *qkv, const float *w, int C, int K, int M
     gdn_conv_block(qkv, w, C, K, M, state_in, state, out);
 }
 
-/* Layer blockIdx.y of a job table: its conv, in place, into its own conv_out. */
-__global__ void k_gdn_conv_multi(const dfk_gdn_job *jobs, int C, int K, int M) {
+/* Layer blockIdx.y of a job table: its conv, in place, into its own conv_out; windows of KM
+ * registers; KM = 4 for the usual K <= 4, at four blocks per SM (64 registers, where the
+ * compiler takes 98: a settle's 40 x 48 blocks in fewer waves; the same arithmetic). */
+template <int KM>
+__global__ void __launch_bounds__(256, KM <= 4 ? 4 : 1) k_gdn_conv_multi(const dfk_gdn_job *jobs, int C, int K, int M) {
     k_pdl_begin();
     const dfk_gdn_job &J = jobs[blockIdx.y];
-    gdn_conv_block(J.qkv, J.conv_w, C, K, M, J.conv_state, J.conv_state, J.conv_out);
+    gdn_conv_block<KM>(J.qkv, J.conv_w, C, K, M, J.conv_state, J.conv_state, J.conv_out);
 }
 
 extern "C" int dfk_gdn_conv(const float *qkv, const float *conv_w, int C, int K, int M, const float *state_in,
@@ -1980,7 +1998,9 @@ extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int n
     if (n < 1 || n > 65535 || K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 ||
         dk > threads || nv % nk != 0)
         return -1;
-    int st = launch_k(k_gdn_conv_multi, dim3((unsigned)((C + 255) / 256), (unsigned)n), dim3(256), 0, jobs, C, K, M);
+    const dim3 cgrid((unsigned)((C + 255) / 256), (unsigned)n);
+    int st = K <= 4 ? launch_k(k_gdn_conv_multi<4>, cgrid, dim3(256), 0, jobs, C, K, M)
+                    : launch_k(k_gdn_conv_multi<GDN_MAX_K>, cgrid, dim3(256), 0, jobs, C, K, M);
     if (st) return st;
     const size_t smem = gdn_rec_smem(dk, dv);
     const dim3 grid((unsigned)nv, (unsigned)n);
