@@ -1205,26 +1205,29 @@ static __device__ __forceinline__ float attn_ld(const float *base, size_t i) {
     else return __ldcg(base + i);
 }
 
-/* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
- * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
- * part rows pr + gi·nchunk·(hd + 2) for gi < G. */
-template <int GM, bool SM, bool DEEP = false>
-static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
-                                                      int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
-                                                      float *smx, float *ssum, float *pr, size_t gstride) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int tt0 = warp; tt0 < n; tt0 += nw * 4) {
+/* The pieces of a row's part over a chunk, shared by both kernels (the same operations in the
+ * same order wherever they run):
+ *
+ * attn_scores: the scores of positions tt0 = w, w + 4·nwg, ... (four at a time: tt0 + p·nwg) of
+ * a chunk of n positions, by warp w of a group of nwg warps: per position and head gi < G, lanes
+ * over d in order (lane, lane + 32, ...), an xor tree, times scale, into sc[gi·scs + tt]. KU: the
+ * d loop's unrolling (loads in flight; not the order). */
+template <int GM, bool SM, int KU>
+static __device__ __forceinline__ void attn_scores(const float *sq, const float *kb, size_t kvs, int n, int G, int hd,
+                                                   float scale, float *sc, size_t scs, int w, int nwg) {
+    const int lane = threadIdx.x & 31;
+    for (int tt0 = w; tt0 < n; tt0 += nwg * 4) {
         float acc[4][GM];
 #pragma unroll
         for (int p = 0; p < 4; p++)
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
-#pragma unroll(DEEP ? 8 : 2)
+#pragma unroll(KU)
         for (int d = lane; d < hd; d += 32) {
             float kv[4];
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                const int tt = tt0 + p * nw;
+                const int tt = tt0 + p * nwg;
                 kv[p] = tt < n ? attn_ld<SM>(kb, (size_t)tt * kvs + (size_t)d) : 0.0f;
             }
 #pragma unroll
@@ -1237,46 +1240,72 @@ static __device__ __forceinline__ void attn_chunk_row(const float *sq, const flo
         }
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            const int tt = tt0 + p * nw;
+            const int tt = tt0 + p * nwg;
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) {
                 if (gi >= G) break;
                 float v = warp_sum(acc[p][gi]);
-                if (lane == 0 && tt < n) sc[gi][tt] = v * scale;
+                if (lane == 0 && tt < n) sc[(size_t)gi * scs + (size_t)tt] = v * scale;
             }
         }
     }
+}
+
+/* attn_softmax: one head's max and exp-sum over its scores sr[0..n), by one warp (lanes over
+ * positions in order, then xor trees); the scores become their exponentials exp(s − max). */
+static __device__ __forceinline__ void attn_softmax(float *sr, int n, float &mx_out, float &sum_out) {
+    const int lane = threadIdx.x & 31;
+    float mx = -INFINITY;
+    for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sr[tt]);
+    for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+    float acc = 0.0f;
+    for (int tt = lane; tt < n; tt += 32) {
+        float p = expf(sr[tt] - mx);
+        sr[tt] = p;
+        acc = acc + p;
+    }
+    mx_out = mx;
+    sum_out = warp_sum(acc);
+}
+
+/* attn_pv: output dim d of the G heads, o[gi] = Σ_t p[gi·scs + t]·v_t[d] in position order. VU:
+ * the loop's unrolling (loads in flight; not the order). */
+template <int GM, bool SM, int VU>
+static __device__ __forceinline__ void attn_pv(const float *vb, size_t kvs, int n, int G, int d, const float *sc,
+                                               size_t scs, float (&o)[GM]) {
+#pragma unroll
+    for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
+#pragma unroll(VU)
+    for (int tt = 0; tt < n; tt++) {
+        const float vv = attn_ld<SM>(vb, (size_t)tt * kvs + (size_t)d);
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++)
+            if (gi < G) o[gi] = o[gi] + sc[(size_t)gi * scs + (size_t)tt] * vv;
+    }
+}
+
+/* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
+ * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
+ * part rows pr + gi·nchunk·(hd + 2) for gi < G. DEEP: more loads in flight (k_attn_part). */
+template <int GM, bool SM, bool DEEP = false>
+static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
+                                                      int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
+                                                      float *smx, float *ssum, float *pr, size_t gstride) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    attn_scores<GM, SM, DEEP ? 8 : 2>(sq, kb, kvs, n, G, hd, scale, &sc[0][0], DFK_ATTN_CHUNK, warp, nw);
     __syncthreads();
-    /* per head (a warp each): max and exp-sum over the chunk, lanes over positions in order, then
-     * xor trees */
-    for (int gi = warp; gi < G; gi += nw) {
-        float mx = -INFINITY;
-        for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sc[gi][tt]);
-        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
-        float acc = 0.0f;
-        for (int tt = lane; tt < n; tt += 32) {
-            float p = expf(sc[gi][tt] - mx);
-            sc[gi][tt] = p;
-            acc = acc + p;
-        }
-        acc = warp_sum(acc);
+    for (int gi = warp; gi < G; gi += nw) { /* a warp per head */
+        float mx, sum;
+        attn_softmax(sc[gi], n, mx, sum);
         if (lane == 0) {
             smx[gi] = mx;
-            ssum[gi] = acc;
+            ssum[gi] = sum;
         }
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o[GM];
-#pragma unroll
-        for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
-#pragma unroll(DEEP ? 32 : 16)
-        for (int tt = 0; tt < n; tt++) {
-            const float vv = attn_ld<SM>(vb, (size_t)tt * kvs + (size_t)d);
-#pragma unroll
-            for (int gi = 0; gi < GM; gi++)
-                if (gi < G) o[gi] = o[gi] + sc[gi][tt] * vv;
-        }
+        attn_pv<GM, SM, DEEP ? 32 : 16>(vb, kvs, n, G, d, &sc[0][0], DFK_ATTN_CHUNK, o);
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) {
             if (gi >= G) break;
@@ -1335,73 +1364,26 @@ extern "C" void dfk_set_attn_group(int rows) { g_attn_ar = rows >= 1 && rows <= 
  * threads): sq [nr][G·hd] their q, K/V position t at kb/vb + t·hd, sn[r] row r's positions in
  * the chunk (0: none), sc [nr·G][chunk], smx/ssum [nr·G] shared scratch; row r's part rows at
  * pr0 + r·rstride + gi·gstride. The warps split into nr groups, one per row, each running
- * attn_chunk_row's scores over its row's positions; then a warp per (row, head) for the max and
- * exp-sum; then the outputs, the rows over the threads where hd leaves threads free. Every
- * (row, position, head) score, (row, head) softmax and (row, head, dim) output has
- * attn_chunk_row's operations in its order, so every row's bits are attn_chunk_row's. */
+ * attn_scores over its row's positions; then a warp per (row, head) for attn_softmax; then
+ * attn_pv, the rows over the threads where hd leaves threads free. The pieces are
+ * attn_chunk_row's, so every row's bits are attn_chunk_row's. */
 template <int GM>
 static __device__ __forceinline__ void attn_chunk_rows(const float *sq, const float *kb, const float *vb, int nr,
                                                        const int *sn, int G, int hd, int chunk, float scale, float *sc,
                                                        float *smx, float *ssum, float *pr0, size_t rstride,
                                                        size_t gstride) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int wpr = nw / nr, r = warp / wpr, wl = warp % wpr; /* nr <= ATTN_AR <= nw */
-    if (r < nr) {
-        const int n = sn[r];
-        const float *sqr = sq + (size_t)r * (size_t)(G * hd);
-        float *scr = sc + (size_t)r * (size_t)G * (size_t)chunk;
-        for (int tt0 = wl; tt0 < n; tt0 += wpr * 4) {
-            float acc[4][GM];
-#pragma unroll
-            for (int p = 0; p < 4; p++)
-#pragma unroll
-                for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
-#pragma unroll 2
-            for (int d = lane; d < hd; d += 32) {
-                float kv[4];
-#pragma unroll
-                for (int p = 0; p < 4; p++) {
-                    const int tt = tt0 + p * wpr;
-                    kv[p] = tt < n ? kb[(size_t)tt * (size_t)hd + (size_t)d] : 0.0f;
-                }
-#pragma unroll
-                for (int gi = 0; gi < GM; gi++) {
-                    if (gi >= G) break;
-                    const float qd = sqr[gi * hd + d];
-#pragma unroll
-                    for (int p = 0; p < 4; p++) acc[p][gi] = acc[p][gi] + qd * kv[p];
-                }
-            }
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const int tt = tt0 + p * wpr;
-#pragma unroll
-                for (int gi = 0; gi < GM; gi++) {
-                    if (gi >= G) break;
-                    float v = warp_sum(acc[p][gi]);
-                    if (lane == 0 && tt < n) scr[(size_t)gi * (size_t)chunk + (size_t)tt] = v * scale;
-                }
-            }
-        }
-    }
+    const int wpr = nw / nr, r = warp / wpr; /* nr <= ATTN_AR <= nw */
+    if (r < nr)
+        attn_scores<GM, true, 2>(sq + (size_t)r * (size_t)(G * hd), kb, (size_t)hd, sn[r], G, hd, scale,
+                                 sc + (size_t)r * (size_t)G * (size_t)chunk, (size_t)chunk, warp % wpr, wpr);
     __syncthreads();
-    /* per (row, head) (a warp each): attn_chunk_row's max and exp-sum */
-    for (int pg = warp; pg < nr * G; pg += nw) {
-        const int n = sn[pg / G];
-        float *sr = sc + (size_t)pg * (size_t)chunk;
-        float mx = -INFINITY;
-        for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sr[tt]);
-        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
-        float acc = 0.0f;
-        for (int tt = lane; tt < n; tt += 32) {
-            float p = expf(sr[tt] - mx);
-            sr[tt] = p;
-            acc = acc + p;
-        }
-        acc = warp_sum(acc);
+    for (int pg = warp; pg < nr * G; pg += nw) { /* a warp per (row, head) */
+        float mx, sum;
+        attn_softmax(sc + (size_t)pg * (size_t)chunk, sn[pg / G], mx, sum);
         if (lane == 0) {
             smx[pg] = mx;
-            ssum[pg] = acc;
+            ssum[pg] = sum;
         }
     }
     __syncthreads();
@@ -1409,20 +1391,11 @@ static __device__ __forceinline__ void attn_chunk_rows(const float *sq, const fl
     const int slots = (int)blockDim.x / hd > 0 ? (int)blockDim.x / hd : 1;
     const int slot = (int)threadIdx.x / hd;
     for (int rr = slot; rr < nr && slot < slots; rr += slots) {
-        const int n = sn[rr];
-        if (n == 0) continue;
-        const float *scr = sc + (size_t)rr * (size_t)G * (size_t)chunk;
+        if (sn[rr] == 0) continue;
         for (int d = (int)threadIdx.x % hd; d < hd; d += slots > 1 ? hd : (int)blockDim.x) {
             float o[GM];
-#pragma unroll
-            for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
-#pragma unroll 16
-            for (int tt = 0; tt < n; tt++) {
-                const float vv = vb[(size_t)tt * (size_t)hd + (size_t)d];
-#pragma unroll
-                for (int gi = 0; gi < GM; gi++)
-                    if (gi < G) o[gi] = o[gi] + scr[(size_t)gi * (size_t)chunk + (size_t)tt] * vv;
-            }
+            attn_pv<GM, true, 16>(vb, (size_t)hd, sn[rr], G, d, sc + (size_t)rr * (size_t)G * (size_t)chunk,
+                                  (size_t)chunk, o);
             float *pr = pr0 + (size_t)rr * rstride;
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) {
