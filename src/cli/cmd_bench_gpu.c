@@ -4,10 +4,11 @@
  *   dflash bench [--model DIR] [--drafter DIR] [--device cuda|cpu] [--ctx N] [--gen N]
  *                [--block B[,B...]] [--synthetic-acceptance TAU]... [--repeats N]
  *                [--memory-ctx N[,N...]] [--window N] [--threads N] [--no-verify-curve]
- *                [--draft-quant-pass BITS[,BITS]]
+ *                [--draft-quant-pass BITS[,BITS]] [--draft-quant BITS]
  *
  * --draft-quant-pass 8,4 also times the drafter pass with its weights quantized at load to
- * those bits (df_drafter_quantize).
+ * those bits (df_drafter_quantize); --draft-quant BITS runs the drafter of every speculative run
+ * (synthetic acceptance, identity) with weights quantized so, as `serve --draft-quant` does.
  * Speed at synthetic acceptance: the drafter runs for real every round, then its proposals are
  * replaced (df_spec_params.override) by the target's own greedy output with one position
  * corrupted, so that a round accepts a = floor(TAU-1) or ceil(TAU-1) drafts (mean TAU-1, i.e.
@@ -50,6 +51,7 @@ typedef struct bench_opts {
     int n_taus;
     int mem_ctx[MAX_LIST], n_mem;
     int quant[MAX_LIST], n_quant; /* --draft-quant-pass: bits of extra drafter pass timings */
+    int draft_quant;              /* --draft-quant: the drafter's weight bits in the speculative runs (0: as stored) */
     int id_prompts, id_tokens;    /* --identity N,T: speculative == plain check */
 } bench_opts;
 
@@ -323,6 +325,8 @@ static const char BENCH_HELP[] =
     "  --threads N                  CPU threads (default: all)\n"
     "  --no-verify-curve            skip t(B)/t(1) for B = 1..16\n"
     "  --draft-quant-pass BITS,...  also time the drafter pass with 8/4-bit weights (default: none)\n"
+    "  --draft-quant BITS           run the drafter with its weights quantized to 8 or 4 bits at load, as\n"
+    "                               serve --draft-quant (proposals change, never the output; default: as stored)\n"
     "  --identity N,T               check speculative == plain greedy on N prompts x T tokens, with the\n"
     "                               real drafter (default block) and at synthetic acceptance 4.5 (block 8)\n"
     "  --help                       show this help and exit\n";
@@ -401,12 +405,12 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     static const char *const once[] = {"--model",  "--drafter", "--device",           "--ctx",
                                        "--gen",    "--repeats", "--window",           "--threads",
                                        "--block",  "--memory-ctx", "--no-verify-curve", "--draft-quant-pass",
-                                       "--identity"};
+                                       "--identity", "--draft-quant"};
     /* options followed by a value, which is never the next option (see cli_is_option) */
     static const char *const valued[] = {"--model",   "--drafter", "--device",     "--ctx",
                                          "--gen",     "--repeats", "--window",     "--threads",
                                          "--block",   "--memory-ctx", "--draft-quant-pass", "--identity",
-                                         "--synthetic-acceptance"};
+                                         "--synthetic-acceptance", "--draft-quant"};
     int seen[sizeof once / sizeof once[0]] = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -420,6 +424,7 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                    : !strcmp(a, "--repeats") ? &o.repeats
                    : !strcmp(a, "--window")  ? &o.window
                    : !strcmp(a, "--threads") ? &o.threads
+                   : !strcmp(a, "--draft-quant") ? &o.draft_quant
                                              : NULL;
         if (num && v) {
             if (strict_int(v, num) != 0) {
@@ -476,6 +481,8 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
         if (o.blocks[i] < 2 || o.blocks[i] > 16) return usage_error("%s", "--block values must lie within 2..16");
     for (int i = 0; i < o.n_quant; i++)
         if (o.quant[i] != 4 && o.quant[i] != 8) return usage_error("%s", "--draft-quant-pass values must be 4 or 8");
+    if (o.draft_quant != 0 && o.draft_quant != 4 && o.draft_quant != 8)
+        return usage_error("%s", "--draft-quant takes 8 or 4");
     char dpath[4096];
     if (!o.drafter) {
         struct stat sb;
@@ -485,9 +492,9 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
             o.drafter = dpath;
         }
     }
-    if (!o.drafter && (o.n_taus || o.n_quant || o.id_prompts))
-        return usage_error("%s", "--synthetic-acceptance, --draft-quant-pass and --identity need a drafter (--drafter DIR, "
-                                 "or a drafter/ folder in the model folder)");
+    if (!o.drafter && (o.n_taus || o.n_quant || o.id_prompts || o.draft_quant))
+        return usage_error("%s", "--synthetic-acceptance, --draft-quant-pass, --draft-quant and --identity need a drafter "
+                                 "(--drafter DIR, or a drafter/ folder in the model folder)");
     setvbuf(stdout, NULL, _IOLBF, 0);
     df_error err = {0};
     double bw = 0;
@@ -610,13 +617,21 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     if (o.drafter) {
         t0 = df_now_ms();
         if (df_drafter_load(&d, o.drafter, e, &err) != DF_OK) goto out;
+        if (o.draft_quant && df_drafter_quantize(d, o.draft_quant, &err) != DF_OK) goto out;
         if (df_draft_state_init(&ds, d, o.window, &err) != DF_OK) goto out;
         const df_drafter_config *dc = df_drafter_get_config(d);
-        printf("drafter %s: %d layers, block %d, taps %d; loaded in %.1f s\n", o.drafter, dc->n_layers, dc->block_size,
-               dc->n_taps, (df_now_ms() - t0) / 1000.0);
+        char qlabel[64] = "";
+        if (o.draft_quant) snprintf(qlabel, sizeof qlabel, ", weights quantized to %d bits at load", o.draft_quant);
+        printf("drafter %s: %d layers, block %d, taps %d%s; loaded in %.1f s\n", o.drafter, dc->n_layers,
+               dc->block_size, dc->n_taps, qlabel, (df_now_ms() - t0) / 1000.0);
         /* drafter pass time over a context of min(ctx, window) random features */
         const int nctx = o.ctx < o.window ? o.ctx : o.window;
-        if (!draft_pass_times(e, ds, prompt[0], nctx, o.repeats, "", &err)) goto out;
+        char plabel[48] = "", slabel[48] = "";
+        if (o.draft_quant) {
+            snprintf(plabel, sizeof plabel, " (%d-bit weights)", o.draft_quant);
+            snprintf(slabel, sizeof slabel, ", drafter weights %d-bit", o.draft_quant);
+        }
+        if (!draft_pass_times(e, ds, prompt[0], nctx, o.repeats, plabel, &err)) goto out;
         /* token identity, speculative vs plain, over several prompts */
         for (int pi = 0; pi < o.id_prompts; pi++) {
             const int n = 64 + 97 * pi < o.ctx ? 64 + 97 * pi : o.ctx;
@@ -700,11 +715,12 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                            "one); tokens identical to plain: %s\n",
                            o.taus[ti], o.blocks[bi], o.gen, same ? "yes" : "NO");
                 else
-                    printf("speed at synthetic acceptance tau %.2f, block %d: measured %.2f tokens/round over %d "
+                    printf("speed at synthetic acceptance tau %.2f, block %d%s: measured %.2f tokens/round over %d "
                            "round(s); %.3f ms/token = %.1f tok/s vs plain %.1f tok/s (measured just before): %.2fx; "
                            "tokens identical to plain: %s\n",
-                           o.taus[ti], o.blocks[bi], tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms,
-                           1000.0 / near_ms, near_ms / spec_ms, same ? "yes" : "NO");
+                           o.taus[ti], o.blocks[bi], slabel,
+                           tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms, 1000.0 / near_ms, near_ms / spec_ms,
+                           same ? "yes" : "NO");
                 cuda_stats_print(e, "  ");
                 df_gen_result_free(&res);
                 if (!same) goto out;

@@ -355,7 +355,8 @@ def test_bench_checks_its_options():
             "--no-verify-curve"]
     bad = [["--drafter", DRAFTER, "--synthetic-acceptance", v] for v in ("1", "nan", "abc", "2x", "1e10")]
     bad += [["--drafter", DRAFTER, "--synthetic-acceptance", "2", "--block", v] for v in ("", "4 8", "3.5", "4,,8", "17")]
-    bad += [["--synthetic-acceptance", "2.7"], ["--gen", "3"], ["--ctx", "x"]]
+    bad += [["--synthetic-acceptance", "2.7"], ["--gen", "3"], ["--ctx", "x"], ["--draft-quant", "8"]]
+    bad += [["--drafter", DRAFTER, "--draft-quant", v] for v in ("6", "16", "x", "")]
     for args in bad:
         p = run_cli(*base, *args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
@@ -364,6 +365,12 @@ def test_bench_checks_its_options():
     assert p.returncode == 0, p.stderr
     assert "tokens identical to plain: yes" in p.stdout
     assert re.search(r"per round \(phases awaited\): drafter pass [0-9.]+ ms, verify pass [0-9.]+ ms", p.stdout)
+    # --draft-quant: the speculative runs' drafter quantized at load, labelled; the output unchanged
+    p = run_cli(*base, "--drafter", DRAFTER, "--synthetic-acceptance", "2.7", "--block", "4", "--draft-quant", "8")
+    assert p.returncode == 0, p.stderr
+    assert "weights quantized to 8 bits at load" in p.stdout
+    assert re.search(r"speed at synthetic acceptance tau 2\.70, block 4, drafter weights 8-bit: .*tokens identical "
+                     r"to plain: yes", p.stdout), p.stdout
     # --identity: speculative == plain in its three modes (every round drafted, synthetic
     # acceptance, the default plain-step fallback), each named with its verdict
     p = run_cli(*base, "--drafter", DRAFTER, "--identity", "1,24")
