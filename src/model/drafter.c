@@ -107,7 +107,12 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     if (!json_int(root, "vocab_size", &c->vocab_size)) c->vocab_size = 0;
     if (!json_int(root, "num_target_layers", &c->num_target_layers) &&
         !json_int(dc, "num_target_layers", &c->num_target_layers))
-        c->num_target_layers = 0;
+        c->num_target_layers = 0; /* not given: not checked against the target */
+    else if (c->num_target_layers < 1) {
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: num_target_layers %d: must be at least 1",
+                          c->num_target_layers);
+        goto done;
+    }
     /* optional fields: absent gives the default; present, they must have the right type */
     const struct {
         json_t *obj;
@@ -194,9 +199,12 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
             goto done;
         }
     }
-    if (c->hidden_size <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
-        c->n_heads % c->n_kv_heads != 0 || c->head_dim <= 0 || c->head_dim > 1024 || c->head_dim % 2 ||
-        c->intermediate_size <= 0 || c->block_size < 2)
+    if (c->block_size < 2)
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: block_size %d: must be at least 2 (a block is the "
+                                              "bonus token and at least one draft)", c->block_size);
+    else if (c->hidden_size <= 0 || c->n_layers <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
+             c->n_heads % c->n_kv_heads != 0 || c->head_dim <= 0 || c->head_dim > 1024 || c->head_dim % 2 ||
+             c->intermediate_size <= 0)
         st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: inconsistent sizes (heads %d/%d, head_dim %d, "
                                               "block_size %d)", c->n_heads, c->n_kv_heads, c->head_dim, c->block_size);
 done:

@@ -518,13 +518,12 @@ static int parse_sampling(df_api_request *req, const df_api_context *ctx, df_api
     }
     if (parse_logit_bias(req, ctx->vocab, e)) return -1;
 
-    /* max_completion_tokens is the current name; max_tokens the older one. */
+    /* max_completion_tokens is the current name; max_tokens the older one (both routes take
+     * both, checked alike; the newer one wins when both are given) */
     long long mt = 0;
     given = 0;
     if (get_integer(root, "max_tokens", "max_tokens", 1, 1 << 30, &mt, &given, e)) return -1;
-    if (req->route == DF_API_CHAT &&
-        get_integer(root, "max_completion_tokens", "max_completion_tokens", 1, 1 << 30, &mt, &given, e))
-        return -1;
+    if (get_integer(root, "max_completion_tokens", "max_completion_tokens", 1, 1 << 30, &mt, &given, e)) return -1;
     req->gen.max_tokens = given ? (int)mt : 0;
     return parse_stop(req, e);
 }

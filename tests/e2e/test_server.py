@@ -120,6 +120,14 @@ def test_openai_sdk(server, model_id):
     resp2 = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Hello"}],
                                            max_completion_tokens=6, temperature=0)
     assert resp2.choices[0].message.content == resp.choices[0].message.content
+    # and the completions route takes it too, checked alike
+    r = client.completions.create(model=model_id, prompt="Hello", temperature=0,
+                                  extra_body={"max_completion_tokens": 2})
+    assert r.usage.completion_tokens <= 2
+    for bad in (0, -1, 1.5):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model_id, prompt="Hello", extra_body={"max_completion_tokens": bad})
+        assert e.value.body["param"] == "max_completion_tokens"
 
 
 def test_openai_sdk_errors(server, model_id):

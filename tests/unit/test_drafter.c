@@ -170,8 +170,11 @@ static void test_drafter_errors(void **state) {
     free(cfg);
     /* a drafter trained for another vocabulary or another layer count */
     const char *edits[][3] = {{"\"vocab_size\": 2048", "\"vocab_size\": 4096", "vocab_size"},
-                              {"\"num_target_layers\": 8", "\"num_target_layers\": 9", "num_target_layers"}};
-    for (int k = 0; k < 2; k++) {
+                              {"\"num_target_layers\": 8", "\"num_target_layers\": 9", "num_target_layers"},
+                              /* and values no drafter has: format errors that say what is wanted */
+                              {"\"num_target_layers\": 8", "\"num_target_layers\": 0", "must be at least 1"},
+                              {"\"block_size\": 8", "\"block_size\": 1", "must be at least 2"}};
+    for (int k = 0; k < 4; k++) {
         cfg = tu_read_file(cfg_path, &len);
         assert_non_null(cfg);
         char *at = strstr(cfg, edits[k][0]);
@@ -184,7 +187,7 @@ static void test_drafter_errors(void **state) {
         memcpy(out + off + b, at + a, len - off - a);
         snprintf(path, sizeof path, "%s/config.json", dir);
         assert_int_equal(tu_write_file(path, out, len - a + b), 0);
-        assert_int_equal(df_drafter_load(&d, dir, e, &err), DF_ERR_MODEL);
+        assert_int_equal(df_drafter_load(&d, dir, e, &err), k < 2 ? DF_ERR_MODEL : DF_ERR_FORMAT);
         assert_non_null(strstr(err.msg, edits[k][2]));
         free(out);
         free(cfg);
