@@ -135,7 +135,8 @@ static void ctx_free(spec_ctx *c) {
     free(c->feats);
 }
 
-static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *dc, df_error *err) {
+static df_status ctx_init(spec_ctx *c, df_session *s, df_draft_state *ds, df_error *err) {
+    const df_drafter_config *dc = df_drafter_get_config(df_draft_state_drafter(ds));
     memset(c, 0, sizeof *c);
     c->s = s;
     c->dc = dc;
@@ -146,13 +147,15 @@ static df_status ctx_init(spec_ctx *c, df_session *s, const df_drafter_config *d
     for (int i = 0; i < 256; i++) c->tap_index[i] = -1;
     for (int i = 0; i < dc->n_taps; i++)
         if (dc->taps[i] < 256) c->tap_index[dc->taps[i]] = i;
-    c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
+    /* a drafter on another backend takes its context from the host */
+    c->host_ctx = df_drafter_engine(df_draft_state_drafter(ds))->be != s->be;
+    if (c->host_ctx) c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     c->dtaps = be->ops->alloc(be, (size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     const int L = tc->n_layers;
     float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
     c->replay = calloc((size_t)L, sizeof *c->replay);
-    if (!c->feats || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
+    if ((c->host_ctx && !c->feats) || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
         !c->rec_a || !c->rec_b || !c->replay)
         goto oom;
     c->redirect = (df_gdn_redirect){.qkv = c->rec_qkv, .z = c->rec_z, .a = c->rec_a, .b = c->rec_b,
@@ -258,9 +261,8 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             return df_error_set(err, DF_ERR_INVALID_ARG, "stop string %d is empty", i);
 
     spec_ctx c;
-    df_status st = ctx_init(&c, s, dc, err);
+    df_status st = ctx_init(&c, s, ds, err);
     if (st != DF_OK) return st;
-    c.host_ctx = df_drafter_engine(df_draft_state_drafter(ds))->be != s->be;
     float *logits = malloc((size_t)DF_MAX_ROWS * (size_t)V * sizeof(float));
     if (!logits) {
         ctx_free(&c);

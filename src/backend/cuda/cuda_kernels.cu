@@ -1184,8 +1184,8 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
  * ATTN_AR rows) that copies the chunk's K and V rows into shared memory once (a bulk copy per row,
  * all in flight together) and runs the group's rows over them together. On the H200
  * (docs/PERFORMANCE.md) the staged kernel halves a decode step's attention (18.5 against 35 us
- * per layer at 1k context); with its rows one after the other it cost more than the per-row
- * blocks from 2 rows on, hence the groups. */
+ * per layer at 1k context), but from 2 rows on the per-row blocks are faster (they spread over
+ * the SMs; groups of 1, 2 or 4 rows measured slower too): calls of one row run it by default. */
 #define ATTN_MAX_G 16
 static int g_attn_chunk = 64; /* measured best at 1k context, within 8% of 128 at 32k (PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
@@ -1286,13 +1286,14 @@ static __device__ __forceinline__ void attn_pv(const float *vb, size_t kvs, int 
 
 /* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
  * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
- * part rows pr + gi·nchunk·(hd + 2) for gi < G. DEEP: more loads in flight (k_attn_part). */
-template <int GM, bool SM, bool DEEP = false>
+ * part rows pr + gi·nchunk·(hd + 2) for gi < G; K and V through L2 (k_attn_part). DEEP: more loads
+ * in flight. */
+template <int GM, bool DEEP>
 static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
                                                       int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
                                                       float *smx, float *ssum, float *pr, size_t gstride) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    attn_scores<GM, SM, DEEP ? 8 : 2>(sq, kb, kvs, n, G, hd, scale, &sc[0][0], DFK_ATTN_CHUNK, warp, nw);
+    attn_scores<GM, false, DEEP ? 8 : 2>(sq, kb, kvs, n, G, hd, scale, &sc[0][0], DFK_ATTN_CHUNK, warp, nw);
     __syncthreads();
     for (int gi = warp; gi < G; gi += nw) { /* a warp per head */
         float mx, sum;
@@ -1305,7 +1306,7 @@ static __device__ __forceinline__ void attn_chunk_row(const float *sq, const flo
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float o[GM];
-        attn_pv<GM, SM, DEEP ? 32 : 16>(vb, kvs, n, G, d, &sc[0][0], DFK_ATTN_CHUNK, o);
+        attn_pv<GM, false, DEEP ? 32 : 16>(vb, kvs, n, G, d, &sc[0][0], DFK_ATTN_CHUNK, o);
 #pragma unroll
         for (int gi = 0; gi < GM; gi++) {
             if (gi >= G) break;
@@ -1349,7 +1350,7 @@ __global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, 
     attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
     const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
     float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
-    attn_chunk_row<GM, false, DEEP>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
+    attn_chunk_row<GM, DEEP>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
                                     (size_t)nchunk * (size_t)(hd + 2));
 }
 
