@@ -143,6 +143,36 @@ for s in $STEPS; do
       grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_${i}_verify.txt" | tee -a "$OUT/summary.txt"
       rm -f /tmp/trace.bin
     done ;;
+  spec)
+    # speculative A/B: VARIANTS alternating AB_ROUNDS times (BASE=1: the baseline binary), block 4,
+    # synthetic acceptance 2.7 and 4.5, no verify curve
+    for r in $(seq 1 ${AB_ROUNDS:-2}); do
+      for v in ${VARIANTS:-BASE=1 X=1}; do
+        echo "-- $v round $r" | tee -a "$OUT/summary.txt"
+        exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
+        env ${v//,/ } timeout 150 "$exe" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 --synthetic-acceptance 2.7 \
+          --synthetic-acceptance 4.5 --no-verify-curve ${SPEC_ARGS:-} 2>&1 | grep -E "plain decode|synthetic|per round|drafter pass" | tee -a "$OUT/summary.txt"
+      done
+    done ;;
+  dtrace)
+    # drafter passes of block DTRACE_BLOCK (default 8) traced, the baseline binary and this one:
+    # the by-kernel summary of the last steps (a verify step, then a drafter step, alternating)
+    for exe in dflash-gpu-base dflash-gpu; do
+      echo "-- $exe" | tee -a "$OUT/summary.txt"
+      DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/$exe" bench --model /tmp/p27 --ctx 1024 --gen 24 --block ${DTRACE_BLOCK:-8} \
+        --synthetic-acceptance 2.7 --no-verify-curve --repeats 1 2>&1 | grep -E "synthetic|per round" | tee -a "$OUT/summary.txt"
+      timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=-3,-2 --list 120 > "$OUT/dtrace_$exe.txt" 2>&1
+      grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/dtrace_$exe.txt" | tee -a "$OUT/summary.txt"
+      rm -f /tmp/trace.bin
+    done ;;
+  spectrace)
+    # the kernel timeline of speculative rounds (τ = 2.7, block 4): steps split at k_embed, so a
+    # verify pass (with the settle and the drafter's context after it), then a drafter pass
+    DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --block 4 \
+      --synthetic-acceptance 2.7 --no-verify-curve --repeats 1 2>&1 | grep -E "synthetic|per round|phase" | tee -a "$OUT/summary.txt"
+    timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=${TRACE_STEPS:--5,-4,-3,-2} --list 900 > "$OUT/trace_spec.txt" 2>&1
+    grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_spec.txt" | tee -a "$OUT/summary.txt"
+    rm -f /tmp/trace.bin ;;
   ab)
     # plain decoding of the settings in VARIANTS, alternating, AB_ROUNDS times (same-run ratios)
     for r in $(seq 1 ${AB_ROUNDS:-3}); do

@@ -523,6 +523,18 @@ int df_drafter_quant_bits(const df_drafter *d) { return d->quant_bits; }
 
 static df_backend *dbe(const df_drafter *d) { return d->eng->be; }
 
+/* Floats per row of the wide scratch buffers t1, t2, t3, tk, tv: the widest of the MLP, the
+ * attention heads, the taps' features and every layer's K (or V) rows side by side. */
+static size_t state_wide(const df_drafter_config *c) {
+    size_t wide = (size_t)c->intermediate_size;
+    const size_t heads = (size_t)c->n_heads * (size_t)c->head_dim, taps = (size_t)c->n_taps * (size_t)c->hidden_size;
+    const size_t kvs = (size_t)c->n_layers * (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    if (heads > wide) wide = heads;
+    if (taps > wide) wide = taps;
+    if (kvs > wide) wide = kvs;
+    return wide;
+}
+
 df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, df_error *err) {
     *out = NULL;
     if (window < 1) return df_error_set(err, DF_ERR_INVALID_ARG, "draft window must be >= 1 (got %d)", window);
@@ -533,9 +545,7 @@ df_status df_draft_state_init(df_draft_state **out, df_drafter *d, int window, d
     const df_drafter_config *c = &d->cfg;
     df_backend *be = dbe(d);
     const size_t R = DF_MAX_ROWS, H = (size_t)c->hidden_size, kv = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    size_t wide = (size_t)c->intermediate_size;
-    if ((size_t)c->n_heads * (size_t)c->head_dim > wide) wide = (size_t)c->n_heads * (size_t)c->head_dim;
-    if ((size_t)c->n_taps * H > wide) wide = (size_t)c->n_taps * H;
+    const size_t wide = state_wide(c);
     s->k_cache = calloc((size_t)c->n_layers, sizeof(float *));
     s->v_cache = calloc((size_t)c->n_layers, sizeof(float *));
     if (!s->k_cache || !s->v_cache) goto oom;
@@ -629,11 +639,34 @@ static df_status add_context(df_draft_state *s, const float *feats, int on_devic
         }
         op->linear(be, &d->fc, fi, M, s->y);
         op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
-        for (int l = 0; l < c->n_layers; l++) {
-            const draft_layer *L = &d->layers[l];
-            op->linear(be, &L->k, s->ctx, M, s->tk);
-            op->linear(be, &L->v, s->ctx, M, s->tv);
-            op->kv_append(be, &sh, s->tk, s->tv, L->k_norm.data, pos, M, s->k_cache[l], s->v_cache[l], s->len);
+        if (op->linears) {
+            /* every layer's K and V projections of the one input ctx, four linears a call (a GPU
+             * runs each call as one launch), into t2 (K) and t3 (V), layer l at column l·kv; t1
+             * (the features) is free once fc has run */
+            const df_linear *Ws[4];
+            float *ys[4];
+            int k = 0;
+            for (int l = 0; l < c->n_layers; l++)
+                for (int j = 0; j < 2; j++) {
+                    Ws[k] = j ? &d->layers[l].v : &d->layers[l].k;
+                    ys[k] = (j ? s->t3 : s->t2) + (size_t)l * (size_t)M * kv;
+                    if (++k == 4 || (l == c->n_layers - 1 && j == 1)) {
+                        op->linears(be, s->ctx, NULL, 0.0f, M, H, k, Ws, ys, NULL);
+                        k = 0;
+                    }
+                }
+            for (int l = 0; l < c->n_layers; l++) {
+                const size_t o = (size_t)l * (size_t)M * kv;
+                op->kv_append(be, &sh, s->t2 + o, s->t3 + o, d->layers[l].k_norm.data, pos, M, s->k_cache[l],
+                              s->v_cache[l], s->len);
+            }
+        } else {
+            for (int l = 0; l < c->n_layers; l++) {
+                const draft_layer *L = &d->layers[l];
+                op->linear(be, &L->k, s->ctx, M, s->tk);
+                op->linear(be, &L->v, s->ctx, M, s->tv);
+                op->kv_append(be, &sh, s->tk, s->tv, L->k_norm.data, pos, M, s->k_cache[l], s->v_cache[l], s->len);
+            }
         }
         s->len += M;
     }

@@ -1203,6 +1203,69 @@ static void fused_case(df_backend *be, const char *kernel) {
     free(hb);
 }
 
+/* bf16 tensor-core linears of one input in one `linears` call run as one launch (with a dense
+ * f16 linear beside them): each output == that linear alone on rmsnorm's output, bit for bit,
+ * with and without the norm, for M = 1..16; and rows of M == single rows. */
+static void mma_multi_case(df_backend *be, const char *what) {
+    const int H = 640, R = DF_MAX_ROWS, rows[4] = {200, 48, 1000, 24};
+    qlin q[4];
+    for (int i = 0; i < 3; i++) make_linear(&q[i], rows[i], H, 0, 0, 0, DF_DTYPE_BF16, 0);
+    make_linear(&q[3], rows[3], H, 0, 0, 0, DF_DTYPE_F16, 0);
+    float *x = malloc((size_t)R * H * 4), *nw = malloc(H * 4);
+    for (int i = 0; i < R * H; i++) x[i] = 3.0f * frand();
+    for (int i = 0; i < H; i++) nw[i] = 1.0f + 0.5f * frand();
+    float *dx = dput(be, x, (size_t)R * H * 4);
+    float *dh = be->ops->alloc(be, (size_t)R * H * 4), *dh2 = be->ops->alloc(be, (size_t)R * H * 4);
+    float *dy[4], *dz[4];
+    const df_linear *Ws[4];
+    for (int i = 0; i < 4; i++) {
+        dy[i] = be->ops->alloc(be, (size_t)R * rows[i] * 4);
+        dz[i] = be->ops->alloc(be, (size_t)R * rows[i] * 4);
+        Ws[i] = &q[i].L;
+    }
+    float *hy = malloc((size_t)R * 1000 * 4), *hz = malloc((size_t)R * 1000 * 4);
+    for (int norm = 0; norm < 2; norm++)
+        for (int n = 2; n <= 4; n++)
+            for (int M = 1; M <= R; M++) {
+                be->ops->linears(be, dx, norm ? nw : NULL, 1e-6f, M, H, n, Ws, dy, norm ? dh : NULL);
+                const float *in = dx;
+                if (norm) {
+                    be->ops->rmsnorm(be, dx, nw, M, H, 1e-6f, dh2);
+                    in = dh2;
+                }
+                for (int i = 0; i < n; i++) be->ops->linear(be, Ws[i], in, M, dz[i]);
+                same_outputs(be, n, q, M, dy, dz, hy, hz, "bf16 linears in one launch");
+                const int m = M - 1; /* the last row alone */
+                float *y1[4] = {dz[0], dz[1], dz[2], dz[3]};
+                be->ops->linears(be, dx + (size_t)m * H, norm ? nw : NULL, 1e-6f, 1, H, n, Ws, y1, NULL);
+                for (int i = 0; i < n; i++) {
+                    const size_t k = (size_t)rows[i];
+                    dget(be, hy, dy[i], (size_t)M * k * 4);
+                    dget(be, hz, dz[i], k * 4);
+                    if (memcmp(hy + (size_t)m * k, hz, k * 4) != 0)
+                        fail_msg("bf16 linears in one launch: row %d of M = %d differs from the single row (output %d)",
+                                 m, M, i);
+                }
+            }
+    gpu_ok(be, "bf16 linears in one launch");
+    printf("bf16 tensor-core linears in one launch (%s): == each alone, with and without a norm, 2-4 linears, "
+           "M = 1..16 == single rows\n", what);
+    float *bufs[] = {dx, dh, dh2, dy[0], dy[1], dy[2], dy[3], dz[0], dz[1], dz[2], dz[3]};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree_(be, bufs[i]);
+    for (int i = 0; i < 4; i++) free_linear(&q[i]);
+    free(x);
+    free(nw);
+    free(hy);
+    free(hz);
+}
+
+static void test_mma_multi(void **state) {
+    (void)state;
+    NEED_GPU();
+    mma_multi_case(g_gpu, "default tiles per warp");
+    mma_multi_case(g_gpu_tr, "most tiles per warp");
+}
+
 static void test_fused(void **state) {
     (void)state;
     NEED_GPU();
@@ -1216,7 +1279,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
-        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared),
+        cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared), cmocka_unit_test(test_mma_multi),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

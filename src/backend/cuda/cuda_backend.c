@@ -83,6 +83,7 @@ typedef struct cuda_backend {
     int dense_first;        /* dense linears of a group launched before its fixed-point ones (DFLASH_CUDA_DENSE_FIRST) */
     int dense_ride;         /* dense linears of a group ride along with its fixed-point launch (DFLASH_CUDA_DENSE_RIDE) */
     char profile_skip[256]; /* DFLASH_CUDA_PROFILE_SKIP: commands not run (timing experiments only) */
+    int mma_group; /* 1: the tensor-core linears of one input in one launch (DFLASH_CUDA_MMA_GROUP) */
     int q_ring, q_ctas, q_ring_max_m, q_bulk, q_split_bytes, q_split_rows; /* dfk_linear_q's schedule (DFLASH_CUDA_QRING, _QCTAS,
                                                  _QRING_MAXM, _QBULK, _QSPLIT_BYTES, _QSPLIT_ROWS) */
     /* step recording (see "steps and graphs" below) */
@@ -872,6 +873,20 @@ static int run_lin_mma(cuda_backend *cb, const void *args) {
                           a->y);
 }
 
+/* dfk_linear_mma_multi's arguments: n tensor-core linears of one prepared input */
+typedef struct a_mma {
+    const uint32_t *xb;
+    const float *xs;
+    int mode, gs, sb_bf16, cols, M, TR, n;
+    dfk_mlin l[DFK_QMAX];
+} a_mma;
+
+static int run_lin_mma_multi(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_mma *a = args;
+    return dfk_linear_mma_multi(a->mode, a->gs, a->sb_bf16, a->cols, a->xb, a->xs, a->M, a->TR, a->n, a->l);
+}
+
 static int run_lin_simple(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_lin *a = args;
@@ -896,9 +911,61 @@ static int prep_recorded(const cuda_backend *cb, const a_prep *p, size_t x_bytes
             if (y0 < x1 && x0 < y1) return 0;
             continue;
         }
+        if (c->fn == run_lin_mma_multi) {
+            const a_mma *g = (const void *)c->args;
+            for (int i = 0; i < g->n; i++) {
+                const char *y0 = (const char *)g->l[i].y, *y1 = y0 + (size_t)g->M * (size_t)g->l[i].rows * sizeof(float);
+                if (y0 < x1 && x0 < y1) return 0;
+            }
+            continue;
+        }
         return c->fn == run_prep && memcmp(c->args, p, sizeof *p) == 0;
     }
     return 0;
+}
+
+/* The input and rotation fields of a preparation of x [mm, cols] for entry e (hb: its
+ * Hadamard block; outputs left NULL). */
+static void prep_fill(a_prep *p, const float *xin, int mm, int cols, const wentry *e, int hb) {
+    memset(p, 0, sizeof *p);
+    p->x = xin;
+    p->signs = hb > 0 ? e->d_signs : NULL;
+    p->hscale = hadamard_scale(hb);
+    p->M = mm;
+    p->cols = cols;
+    p->hb = hb;
+}
+
+/* Records the preparation of x [mm, cols] for the tensor-core linears of W's format and
+ * rotation (e: W's entry) into cb->xf, cb->xb (and cb->xs when quantized), unless the commands
+ * recorded last already made exactly it. Returns 0 when out of memory (cb failed). */
+static int mma_prep(cuda_backend *cb, const float *xin, int mm, int cols, const wentry *e, const df_linear *W) {
+    const int hb = W->hadamard_block, quant = e->mode != DFK_MMA_BF16;
+    const int gs = quant ? e->lgs : 0;
+    const size_t kbt = (size_t)cols / 16, pairs = (size_t)(mm + 1) / 2;
+    if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float)) ||
+        !scratch(cb, (void **)&cb->xb, &cb->xb_cap, pairs * kbt * 32 * 2, sizeof(uint32_t)) ||
+        (quant && !scratch(cb, (void **)&cb->xs, &cb->xs_cap, (size_t)mm * (size_t)(cols / gs), sizeof(float))))
+        return 0;
+    a_prep p;
+    prep_fill(&p, xin, mm, cols, e, hb);
+    p.xf = cb->xf;
+    p.xs = quant ? cb->xs : NULL;
+    p.xb = cb->xb;
+    p.gs = gs;
+    p.seg = prep_seg(cols, hb, quant ? gs : 64);
+    if (!prep_recorded(cb, &p, (size_t)mm * (size_t)cols * sizeof(float)))
+        record(cb, run_prep, "linear prep", &p, sizeof p);
+    return 1;
+}
+
+/* Tiles per warp of a tensor-core linear of `rows` rows and mm data rows (work distribution
+ * only: about target_ctas CTAs, within what the kernel takes). */
+static int mma_tr(const cuda_backend *cb, const wentry *e, int rows, int mm) {
+    const int tiles = (rows + 15) / 16, RW = 8 / e->KW;
+    int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
+    const int trmax = dfk_linear_mma_max_tr(e->mode, e->lgs, mm);
+    return tr > trmax ? trmax : tr;
 }
 
 static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M, float *y) {
@@ -938,17 +1005,11 @@ static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M,
         l.wdtype = wdtype_code(W->wdtype);
         l.bits = W->bits;
         l.gs = W->group_size;
-        a_prep p;
-        memset(&p, 0, sizeof p);
-        p.x = xin;
-        p.signs = hb > 0 ? e->d_signs : NULL;
-        p.hscale = hadamard_scale(hb);
-        p.M = mm;
-        p.cols = cols;
-        p.hb = hb;
         if (e->mode == LIN_SIMPLE) {
             l.xf = xin;
             if (hb > 0) {
+                a_prep p;
+                prep_fill(&p, xin, mm, cols, e, hb);
                 if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float))) return;
                 p.xf = cb->xf;
                 p.seg = prep_seg(cols, hb, 0);
@@ -958,27 +1019,10 @@ static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M,
             record(cb, run_lin_simple, "linear", &l, sizeof l);
             continue;
         }
-        const int quant = e->mode != DFK_MMA_BF16;
-        const int gs = quant ? e->lgs : 0;
-        const size_t kbt = (size_t)cols / 16, pairs = (size_t)(mm + 1) / 2;
-        if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float)) ||
-            !scratch(cb, (void **)&cb->xb, &cb->xb_cap, pairs * kbt * 32 * 2, sizeof(uint32_t)) ||
-            (quant && !scratch(cb, (void **)&cb->xs, &cb->xs_cap, (size_t)mm * (size_t)(cols / gs), sizeof(float))))
-            return;
-        p.xf = cb->xf;
-        p.xs = quant ? cb->xs : NULL;
-        p.xb = cb->xb;
-        p.gs = gs;
-        p.seg = prep_seg(cols, hb, quant ? gs : 64);
-        if (!prep_recorded(cb, &p, (size_t)mm * (size_t)cols * sizeof(float)))
-            record(cb, run_prep, "linear prep", &p, sizeof p);
-        const int tiles = (rows + 15) / 16, RW = 8 / e->KW;
-        int tr = pow2floor(tiles / (RW * cb->target_ctas) > 0 ? tiles / (RW * cb->target_ctas) : 1);
-        const int trmax = dfk_linear_mma_max_tr(e->mode, e->lgs, mm);
-        if (tr > trmax) tr = trmax;
-        l.TR = tr;
+        if (!mma_prep(cb, xin, mm, cols, e, W)) return;
+        l.TR = mma_tr(cb, e, rows, mm);
         l.xb = cb->xb;
-        l.xs = quant ? cb->xs : NULL;
+        l.xs = e->mode != DFK_MMA_BF16 ? cb->xs : NULL;
         record(cb, run_lin_mma, "linear", &l, sizeof l);
     }
 }
@@ -1200,9 +1244,47 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         }
         record(cb, run_qlin, "linear", &q, sizeof q);
     }
+    /* the tensor-core linears without rotation of one format (a drafter's bf16 q/k/v, gate/up):
+     * one preparation and one launch (dfk_linear_mma_multi: the bits of one launch each) */
+    int done[DFK_QMAX] = {0};
+    if (!add && cb->mma_group) {
+        a_mma g;
+        memset(&g, 0, sizeof g);
+        int first = -1;
+        for (int i = 0; i < n; i++) {
+            const int mode = es[i]->mode;
+            if (mode == LIN_SIMPLE || mode == LIN_Q || mode == LIN_DENSE || Ws[i]->hadamard_block > 0) continue;
+            if (first < 0) first = i;
+            else if (mode != es[first]->mode || es[i]->lgs != es[first]->lgs ||
+                     (Ws[i]->sdtype == DF_DTYPE_BF16) != (Ws[first]->sdtype == DF_DTYPE_BF16))
+                continue;
+            dfk_mlin *l = &g.l[g.n++];
+            l->codes = es[i]->d_w;
+            l->sb = es[i]->d_s;
+            l->rows = Ws[i]->rows;
+            l->KW = es[i]->KW;
+            l->y = ys[i];
+            done[i] = 1;
+            const int tr = mma_tr(cb, es[i], Ws[i]->rows, mm);
+            if (g.n == 1 || tr < g.TR) g.TR = tr;
+        }
+        if (g.n >= 2) {
+            if (!mma_prep(cb, v, mm, cols, es[first], Ws[first])) return;
+            g.mode = es[first]->mode;
+            g.gs = es[first]->lgs;
+            g.sb_bf16 = Ws[first]->sdtype == DF_DTYPE_BF16;
+            g.cols = cols;
+            g.M = mm;
+            g.xb = cb->xb;
+            g.xs = g.mode != DFK_MMA_BF16 ? cb->xs : NULL;
+            record(cb, run_lin_mma_multi, "linear", &g, sizeof g);
+        } else {
+            memset(done, 0, sizeof done);
+        }
+    }
     /* any other format unfused */
     for (int i = 0; i < n; i++) {
-        if ((es[i]->mode == LIN_DENSE && !add) || es[i]->mode == LIN_Q) continue;
+        if ((es[i]->mode == LIN_DENSE && !add) || es[i]->mode == LIN_Q || done[i]) continue;
         if (add) {
             if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)Ws[i]->rows, sizeof(float)))
                 return;
@@ -1743,6 +1825,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_stage(qst ? atoi(qst) : 0);
     const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
     dfk_set_q_diag(qdg ? atoi(qdg) : 0);
+    const char *rfs = getenv("DFLASH_CUDA_RIDE_FIRST"); /* where the dense riders run (dfk_set_ride_first) */
+    dfk_set_ride_first(rfs && atoi(rfs) > 0);
+    const char *mgs = getenv("DFLASH_CUDA_MMA_GROUP"); /* 0: one launch per tensor-core linear (lin_group) */
+    cb->mma_group = !(mgs && atoi(mgs) == 0);
     const char *graphs = getenv("DFLASH_CUDA_GRAPHS");
     cb->use_graphs = !(graphs && strcmp(graphs, "0") == 0);
     cb->sig_hash = 0xcbf29ce484222325ULL;

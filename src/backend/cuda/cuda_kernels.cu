@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_rowops.cuh"
@@ -337,6 +338,16 @@ static __device__ __forceinline__ uint32_t a_reg(const uint32_t *wr, int r) {
     return (s & (MASK | (MASK << 16))) | MAGIC;
 }
 
+/* One launch of k_lin_mma: n linears of one prepared input (xb, xs) and M rows, the blocks of
+ * linear i being start[i] .. start[i + 1) - 1 (a per-linear grid laid end to end). */
+struct mma_launch {
+    dfk_mlin d[DFK_QMAX];
+    int start[DFK_QMAX + 1];
+    int n, sb_bf16, ng, kbt, M;
+    const uint2 *xb;
+    const float *xs;
+};
+
 /* Compile-time shape of one k_lin_mma instance: TR tiles per warp, NT n-tiles (2 tokens each);
  * GP groups' codes are loaded at once (all loads of a warp in flight together), KC k-blocks of
  * B fragments at once. */
@@ -373,18 +384,26 @@ static __device__ __forceinline__ void load_words(const uint32_t *p, uint32_t *w
  * g = kw, kw + KW, ... in order; the KW partial sums are added in order kw = 0..KW-1. KW is a
  * function of the weight's shape (cuda_backend.c), TR and the grid only distribute work. */
 template <int MODE, int GS, int NT, int TR, int MINB>
-__global__ void __launch_bounds__(256, MINB) k_lin_mma(const uint32_t *__restrict__ codes, const uint32_t *__restrict__ sb,
-                                                 int sb_bf16, int rows, int tiles, int ng, int kbt,
-                                                 const uint2 *__restrict__ xb, const float *__restrict__ xs, int M,
-                                                 int KW, float *__restrict__ y) {
+__global__ void __launch_bounds__(256, MINB) k_lin_mma(const __grid_constant__ mma_launch P) {
     K_TR_ENTRY();
+    /* the launch's linear of this block: blocks start[i] .. start[i + 1) - 1 */
+    int wi = 0;
+    while (wi + 1 < P.n && (int)blockIdx.x >= P.start[wi + 1]) wi++;
+    const int bid = (int)blockIdx.x - P.start[wi];
+    const uint32_t *__restrict__ codes = P.d[wi].codes;
+    const uint32_t *__restrict__ sb = P.d[wi].sb;
+    float *__restrict__ y = P.d[wi].y;
+    const uint2 *__restrict__ xb = P.xb;
+    const float *__restrict__ xs = P.xs;
+    const int rows = P.d[wi].rows, tiles = (rows + 15) / 16, KW = P.d[wi].KW;
+    const int sb_bf16 = P.sb_bf16, ng = P.ng, kbt = P.kbt, M = P.M;
     typedef lin_cfg<MODE, GS, NT, TR> C;
     constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP, KC = C::KC;
     __shared__ float red[8][TR * NT * 2][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KW, rw = warp / KW, RW = 8 / KW;
-    const int tile0 = (blockIdx.x * RW + rw) * TR;
+    const int tile0 = (bid * RW + rw) * TR;
     const float off = MODE == DFK_MMA_Q2 ? 4.0f : (MODE == DFK_MMA_Q4 ? 16.0f : 0.0f);
     bool tvalid[TR];
 #pragma unroll
@@ -714,64 +733,67 @@ static int launch_lin_dec(const uint32_t *codes, const uint32_t *sb, int sb_bf16
     return 1;
 }
 
+/* The grid of P: each linear's blocks of RW·TR tiles, linear after linear (P.start). */
 template <int MODE, int GS, int NT, int TR>
-static int launch_lin(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols, const uint32_t *xb,
-                      const float *xs, int M, int KW, float *y) {
-    const int tiles = (rows + 15) / 16, ng = cols / GS, RW = 8 / KW;
-    const int per_block = RW * TR;
-    const unsigned blocks = (unsigned)((tiles + per_block - 1) / per_block);
+static int launch_lin(mma_launch &P) {
+    int blocks = 0;
+    for (int i = 0; i < P.n; i++) {
+        const int tiles = (P.d[i].rows + 15) / 16, per_block = (8 / P.d[i].KW) * TR;
+        P.start[i] = blocks;
+        blocks += (tiles + per_block - 1) / per_block;
+    }
+    P.start[P.n] = blocks;
     if constexpr (NT <= 2 && TR <= 2) {
         if (g_occ == 3) {
-            k_lin_mma<MODE, GS, NT, TR, 3><<<blocks, 256, 0, g_stream>>>(
-                codes, sb, sb_bf16, rows, tiles, ng, cols / 16, reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
+            k_lin_mma<MODE, GS, NT, TR, 3><<<(unsigned)blocks, 256, 0, g_stream>>>(P);
             return launch_status();
         }
     }
-    k_lin_mma<MODE, GS, NT, TR, 2><<<blocks, 256, 0, g_stream>>>(codes, sb, sb_bf16, rows, tiles, ng, cols / 16,
-                                                                     reinterpret_cast<const uint2 *>(xb), xs, M, KW, y);
+    k_lin_mma<MODE, GS, NT, TR, 2><<<(unsigned)blocks, 256, 0, g_stream>>>(P);
     return launch_status();
 }
 
 /* TR choices per (mode, NT): the heavy formats (2-bit group 128, bf16) get 1, 2, 4, 8 tiles
  * per warp (as registers allow), the others 1. */
 template <int MODE, int GS, int NT>
-static int launch_lin_tr(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
-                         const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+static int launch_lin_tr(mma_launch &P, int TR) {
     constexpr bool q2 = MODE == DFK_MMA_Q2 && GS == 128, bf = MODE == DFK_MMA_BF16;
     if constexpr (q2 && NT == 1) {
-        if (TR >= 8) return launch_lin<MODE, GS, NT, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+        if (TR >= 8) return launch_lin<MODE, GS, NT, 8>(P);
     }
     if constexpr ((q2 || bf) && NT == 1) {
-        if (TR >= 4) return launch_lin<MODE, GS, NT, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+        if (TR >= 4) return launch_lin<MODE, GS, NT, 4>(P);
     }
     if constexpr ((q2 || bf) && NT <= 2) {
-        if (TR >= 2) return launch_lin<MODE, GS, NT, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+        if (TR >= 2) return launch_lin<MODE, GS, NT, 2>(P);
     }
-    return launch_lin<MODE, GS, NT, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y);
+    return launch_lin<MODE, GS, NT, 1>(P);
 }
 
 /* NT = ceil(M/2) n-tiles: exact for the heavy formats (2-bit group 128, bf16), else rounded up
  * to a power of two (fewer instances). Padded n-tiles carry zero columns; a token's result
  * never depends on NT (columns of an MMA are independent). */
 template <int MODE, int GS>
-static int launch_lin_nt(const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows, int cols,
-                         const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+static int launch_lin_nt(mma_launch &P, int TR) {
     constexpr bool heavy = (MODE == DFK_MMA_Q2 && GS == 128) || MODE == DFK_MMA_BF16;
-    const int pairs = (M + 1) / 2;
+    const int M = P.M, pairs = (M + 1) / 2;
     int st = 0;
-    if (pairs <= 1 && g_use_dec && launch_lin_dec<MODE, GS>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, y, &st)) return st;
-    if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-    if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 1 && g_use_dec && P.n == 1 &&
+        launch_lin_dec<MODE, GS>(P.d[0].codes, P.d[0].sb, P.sb_bf16, P.d[0].rows, P.kbt * 16,
+                                 reinterpret_cast<const uint32_t *>(P.xb), P.xs, M, P.d[0].KW, P.d[0].y, &st))
+        return st;
+    if (pairs <= 1) return launch_lin_tr<MODE, GS, 1>(P, TR);
+    if (pairs <= 2) return launch_lin_tr<MODE, GS, 2>(P, TR);
     if constexpr (heavy) {
-        if (pairs == 3) return launch_lin_tr<MODE, GS, 3>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 3) return launch_lin_tr<MODE, GS, 3>(P, TR);
     }
-    if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    if (pairs <= 4) return launch_lin_tr<MODE, GS, 4>(P, TR);
     if constexpr (heavy) {
-        if (pairs == 5) return launch_lin_tr<MODE, GS, 5>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-        if (pairs == 6) return launch_lin_tr<MODE, GS, 6>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
-        if (pairs == 7) return launch_lin_tr<MODE, GS, 7>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        if (pairs == 5) return launch_lin_tr<MODE, GS, 5>(P, TR);
+        if (pairs == 6) return launch_lin_tr<MODE, GS, 6>(P, TR);
+        if (pairs == 7) return launch_lin_tr<MODE, GS, 7>(P, TR);
     }
-    return launch_lin_tr<MODE, GS, 8>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+    return launch_lin_tr<MODE, GS, 8>(P, TR);
 }
 
 static int nt_of(int M) {
@@ -786,25 +808,46 @@ extern "C" int dfk_linear_mma_max_tr(int mode, int gs, int M) {
     return nt <= 1 ? (q2 ? 8 : 4) : (nt <= 2 ? 2 : 1);
 }
 
-extern "C" int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows,
-                              int cols, const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
-    if (M < 1 || M > DFK_MAX_ROWS || (KW != 1 && KW != 2 && KW != 4 && KW != 8) || TR < 1)
+extern "C" int dfk_linear_mma_multi(int mode, int gs, int sb_bf16, int cols, const uint32_t *xb, const float *xs,
+                                    int M, int TR, int n, const dfk_mlin *lins) {
+    const int G = mode == DFK_MMA_BF16 ? 64 : gs;
+    if (M < 1 || M > DFK_MAX_ROWS || TR < 1 || n < 1 || n > DFK_QMAX || (G != 64 && G != 128) || cols % G != 0)
         return (int)cudaErrorInvalidValue;
+    mma_launch P;
+    memset(&P, 0, sizeof P);
+    P.n = n;
+    P.sb_bf16 = sb_bf16;
+    P.ng = cols / G;
+    P.kbt = cols / 16;
+    P.M = M;
+    P.xb = reinterpret_cast<const uint2 *>(xb);
+    P.xs = xs;
+    for (int i = 0; i < n; i++) {
+        const int KW = lins[i].KW;
+        if ((KW != 1 && KW != 2 && KW != 4 && KW != 8) || lins[i].rows < 1) return (int)cudaErrorInvalidValue;
+        P.d[i] = lins[i];
+    }
     switch (mode) {
     case DFK_MMA_Q2:
-        return gs == 128 ? launch_lin_nt<DFK_MMA_Q2, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
-                         : launch_lin_nt<DFK_MMA_Q2, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q2, 128>(P, TR) : launch_lin_nt<DFK_MMA_Q2, 64>(P, TR);
     case DFK_MMA_Q4:
-        return gs == 128 ? launch_lin_nt<DFK_MMA_Q4, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
-                         : launch_lin_nt<DFK_MMA_Q4, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q4, 128>(P, TR) : launch_lin_nt<DFK_MMA_Q4, 64>(P, TR);
     case DFK_MMA_Q8:
-        return gs == 128 ? launch_lin_nt<DFK_MMA_Q8, 128>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y)
-                         : launch_lin_nt<DFK_MMA_Q8, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        return gs == 128 ? launch_lin_nt<DFK_MMA_Q8, 128>(P, TR) : launch_lin_nt<DFK_MMA_Q8, 64>(P, TR);
     case DFK_MMA_BF16:
-        return launch_lin_nt<DFK_MMA_BF16, 64>(codes, sb, sb_bf16, rows, cols, xb, xs, M, KW, TR, y);
+        return launch_lin_nt<DFK_MMA_BF16, 64>(P, TR);
     default:
         return (int)cudaErrorInvalidValue;
     }
+}
+
+extern "C" int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uint32_t *sb, int sb_bf16, int rows,
+                              int cols, const uint32_t *xb, const float *xs, int M, int KW, int TR, float *y) {
+    if (mode != DFK_MMA_Q2 && mode != DFK_MMA_Q4 && mode != DFK_MMA_Q8 && mode != DFK_MMA_BF16)
+        return (int)cudaErrorInvalidValue;
+    if (mode != DFK_MMA_BF16 && gs != 64 && gs != 128) return (int)cudaErrorInvalidValue;
+    const dfk_mlin l = {codes, sb, rows, KW, y};
+    return dfk_linear_mma_multi(mode, gs, sb_bf16, cols, xb, xs, M, TR, 1, &l);
 }
 
 /* ---- CUDA-core linear (any format) ------------------------------------------------------------ */

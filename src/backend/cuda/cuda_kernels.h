@@ -89,6 +89,21 @@ int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const u
  * cuda_qlin.cu. */
 
 #define DFK_QMAX 4                /* linears per dfk_qprep / dfk_linear_q / dfk_linear_dense call */
+
+/* One linear of a dfk_linear_mma_multi launch: repacked codes and scales (dfk_repack), rows,
+ * its K-slice count KW (1, 2, 4, 8: a function of the weight's shape) and its output y [M, rows]. */
+typedef struct dfk_mlin {
+    const uint32_t *codes, *sb;
+    int rows, KW;
+    float *y;
+} dfk_mlin;
+
+/* n (1..DFK_QMAX) linears of one format and one prepared input (xb, xs of dfk_prep: cols
+ * columns, M rows) in one launch of dfk_linear_mma's kernel: each linear's rows get exactly
+ * dfk_linear_mma's bits (the same blocks, laid end to end). Returns 0 or a CUDA error
+ * (cudaErrorInvalidValue for a shape it does not take). */
+int dfk_linear_mma_multi(int mode, int gs, int sb_bf16, int cols, const uint32_t *xb, const float *xs, int M, int TR,
+                         int n, const dfk_mlin *lins);
 #define DFK_QPREP_MAX_SEG 24576   /* columns one dfk_qprep block holds (float32 in shared memory) */
 
 /* One quantized input of dfk_qprep: the rotation of its linear (signs: device [cols], NULL
@@ -201,6 +216,10 @@ void dfk_set_q_stage(int which);
  * arithmetic and the scale/bias copies (wrong outputs: timing only); 8 stages the prepared
  * input by every thread's loads instead of bulk copies (the same bits). */
 void dfk_set_q_diag(int bits);
+/* 1: the fixed-point linear's bulk-copy kernel computes the rows of the dense linears riding
+ * along right after its input is ready, before its units; 0 (default): after them. The same
+ * bits either way. */
+void dfk_set_ride_first(int on);
 /* The dfk_set_pdl setting. */
 int dfk_pdl_on(void);
 /* The stream of the launchers (dfk_set_stream). */

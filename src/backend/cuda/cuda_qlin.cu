@@ -501,6 +501,7 @@ struct qlaunch {
     int diag;     /* experiments of k_lin_qb (dfk_set_q_diag): 8 = the input staged by every
                      thread's loads instead of bulk copies (the same bits); timing only: 2 = no
                      arithmetic, 4 = no scale/bias copies (wrong outputs) */
+    int ride_first; /* k_lin_qb: 1 = the riders' rows right after the wait, before the units */
     dlaunch dn;   /* dense linears riding along (k_lin_qb: their rows after the CTA's units; the
                      other kernels launch them first, as k_lin_dense); dn.n = 0: none */
 };
@@ -520,14 +521,21 @@ static __device__ __forceinline__ void dense_preload(const dfk_dlin &L, int row,
 /* Output row `row` of dense linear L for the M data rows, by a block of 256 threads (every
  * thread calls it; wq: dense_preload's words). Thread tid takes the 8-column chunks c = tid,
  * tid + 256, ... in order, each column in order; then per data row an xor butterfly per warp and
- * the 8 warp sums in order. red: [DFK_MAX_ROWS][8] floats of shared memory, free on entry. */
+ * the 8 warp sums in order. red: [DFK_MAX_ROWS][8] floats of shared memory, free on entry.
+ * Loads: per pass of two chunks, the next pass's weights and then the data rows' x of this pass
+ * (rows in groups of four) are all issued before the arithmetic, so that a pass costs one round
+ * trip to L2 rather than one per data row (the order of the operations does not change).
+ * MR: the most data rows the caller can have (M <= MR); RGMAX: the most rows of one group
+ * (registers: 16 floats of x per row of a group). */
+template <int MR, int RGMAX = 4>
 static __device__ __forceinline__ void dense_row(const dfk_dlin &L, int row, int M, uint4 (&wq)[2], float (*red)[8]) {
+    constexpr int RG = MR < RGMAX ? MR : RGMAX; /* data rows whose x loads are in flight together */
     const int tid = threadIdx.x, cols = L.cols;
     const uint16_t *wr = (const uint16_t *)L.w + (size_t)row * (size_t)cols;
     const int nch = cols / 8;
-    float acc[DFK_MAX_ROWS];
+    float acc[MR];
 #pragma unroll
-    for (int m = 0; m < DFK_MAX_ROWS; m++) acc[m] = 0.0f;
+    for (int m = 0; m < MR; m++) acc[m] = 0.0f;
     for (int c0 = 0; c0 < nch; c0 += 512) {
         uint4 cur[2] = {wq[0], wq[1]};
         if (c0 + 512 < nch) {
@@ -537,31 +545,52 @@ static __device__ __forceinline__ void dense_row(const dfk_dlin &L, int row, int
                 wq[u] = c < nch ? __ldcs(reinterpret_cast<const uint4 *>(wr) + c) : make_uint4(0u, 0u, 0u, 0u);
             }
         }
+        float w[2][8];
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            const int c = c0 + tid + u * 256;
-            if (c >= nch) continue;
             const uint32_t ws[4] = {cur[u].x, cur[u].y, cur[u].z, cur[u].w};
-            float w[8];
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                w[2 * k] = q_h16(ws[k], L.wdtype == 1);
-                w[2 * k + 1] = q_h16(ws[k] >> 16, L.wdtype == 1);
+                w[u][2 * k] = q_h16(ws[k], L.wdtype == 1);
+                w[u][2 * k + 1] = q_h16(ws[k] >> 16, L.wdtype == 1);
+            }
+        }
+#pragma unroll
+        for (int m0 = 0; m0 < MR; m0 += RG) {
+            if (m0 >= M) break;
+            float4 xv[2][RG][2];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int c = c0 + tid + u * 256;
+#pragma unroll
+                for (int mi = 0; mi < RG; mi++) {
+                    if (c < nch && m0 + mi < M) {
+                        const float4 *xp =
+                            reinterpret_cast<const float4 *>(L.x + (size_t)(m0 + mi) * (size_t)cols) + 2 * c;
+                        xv[u][mi][0] = __ldcg(xp);
+                        xv[u][mi][1] = __ldcg(xp + 1);
+                    } else {
+                        xv[u][mi][0] = xv[u][mi][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+                }
             }
 #pragma unroll
-            for (int m = 0; m < DFK_MAX_ROWS; m++) {
-                if (m >= M) break;
-                const float4 *xp = reinterpret_cast<const float4 *>(L.x + (size_t)m * (size_t)cols) + 2 * c;
-                const float4 xa = __ldcg(xp), xb = __ldcg(xp + 1);
-                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            for (int u = 0; u < 2; u++) {
+                if (c0 + tid + u * 256 >= nch) continue;
 #pragma unroll
-                for (int k = 0; k < 8; k++) acc[m] = acc[m] + w[k] * xv[k];
+                for (int mi = 0; mi < RG; mi++) {
+                    if (m0 + mi >= M) break;
+                    const float xs[8] = {xv[u][mi][0].x, xv[u][mi][0].y, xv[u][mi][0].z, xv[u][mi][0].w,
+                                         xv[u][mi][1].x, xv[u][mi][1].y, xv[u][mi][1].z, xv[u][mi][1].w};
+#pragma unroll
+                    for (int k = 0; k < 8; k++) acc[m0 + mi] = acc[m0 + mi] + w[u][k] * xs[k];
+                }
             }
         }
     }
     const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
-    for (int m = 0; m < DFK_MAX_ROWS; m++) {
+    for (int m = 0; m < MR; m++) {
         if (m >= M) break;
         float v = acc[m];
         for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(QFULL, v, off);
@@ -1589,6 +1618,23 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
     }
 }
 
+/* The rows of the dense linears riding along with a k_lin_qb launch that fall to CTA cta of
+ * G: rows cta, cta + G, ... of the riders' rows laid end to end (dense_row: k_lin_dense's bits).
+ * red: DFK_MAX_ROWS x 8 floats of shared memory. Every thread of the CTA calls it. */
+template <int MR, int RG>
+static __device__ __forceinline__ void qb_riders(const qlaunch &P, int cta, int G, int M, float (*red)[8]) {
+    if (P.dn.n <= 0) return;
+    const int total = P.dn.start[P.dn.n];
+    for (int r = cta; r < total; r += G) {
+        int dj = 0;
+        while (dj + 1 < P.dn.n && r >= P.dn.start[dj + 1]) dj++;
+        uint4 wq[2];
+        dense_preload(P.dn.d[dj], r - P.dn.start[dj], wq);
+        __syncthreads(); /* red is free */
+        dense_row<MR, RG>(P.dn.d[dj], r - P.dn.start[dj], M, wq, red);
+    }
+}
+
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
 template <int BITS, int GS, int NT, int SBF, int NS, int QC>
@@ -1601,6 +1647,17 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     const dfk_tr_start trs = dfk_tr_begin();
     pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, cta = (int)blockIdx.x;
+    if (P.dn.n > 0) { /* this CTA's rider rows (after its units) into L2 now: weights, no wait */
+        for (int r = cta; r < P.dn.start[P.dn.n]; r += G) {
+            int dj = 0;
+            while (dj + 1 < P.dn.n && r >= P.dn.start[dj + 1]) dj++;
+            const dfk_dlin &D = P.dn.d[dj];
+            const uintptr_t b0 = (uintptr_t)D.w + (uintptr_t)(r - P.dn.start[dj]) * (uintptr_t)D.cols * 2u;
+            const uintptr_t l0 = b0 & ~(uintptr_t)127, b1 = b0 + (uintptr_t)D.cols * 2u;
+            for (uintptr_t a = l0 + (uintptr_t)threadIdx.x * 128u; a < b1; a += (uintptr_t)blockDim.x * 128u)
+                asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+        }
+    }
     const int u_begin = (int)(((long long)cta * U) / G), u_end = (int)(((long long)(cta + 1) * U) / G);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(qsm);
@@ -1626,6 +1683,10 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     }
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
+    if (P.ride_first) { /* the riders first: their latency under the ring's first copies */
+        qb_riders<4 * NT, NT == 1 && QC < 6 ? 2 : 4>(P, cta, G, P.M, reinterpret_cast<float(*)[8]>(&red[0][0][0]));
+        __syncthreads(); /* red is the units' again */
+    }
     /* the linear of the current unit (di; its units end at lin_end) and what its units share:
      * this warp's K-slice kw of KW = 2^kwl, its records per unit nj, its first tile less the
      * linear's first unit's (tbase); the input's addresses (qb_lin_of) are recomputed per unit,
@@ -1667,18 +1728,9 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     }
     /* the dense linears riding along: their rows over the CTAs, after the units (the bits of
      * k_lin_dense) */
-    if (P.dn.n > 0) {
-        float(*dred)[8] = reinterpret_cast<float(*)[8]>(&red[0][0][0]); /* DFK_MAX_ROWS x 8 floats */
+    if (!P.ride_first) {
         static_assert(sizeof(red) >= sizeof(float) * DFK_MAX_ROWS * 8, "red holds dense_row's sums");
-        const int total = P.dn.start[P.dn.n];
-        for (int r = cta; r < total; r += G) {
-            int dj = 0;
-            while (dj + 1 < P.dn.n && r >= P.dn.start[dj + 1]) dj++;
-            uint4 wq[2];
-            dense_preload(P.dn.d[dj], r - P.dn.start[dj], wq);
-            __syncthreads(); /* red is free */
-            dense_row(P.dn.d[dj], r - P.dn.start[dj], M, wq, dred);
-        }
+        qb_riders<4 * NT, NT == 1 && QC < 6 ? 2 : 4>(P, cta, G, M, reinterpret_cast<float(*)[8]>(&red[0][0][0]));
     }
 }
 
@@ -1798,6 +1850,8 @@ extern "C" void dfk_set_q_stage(int which) {
     g_q_stage[1] = b >= 0 && b <= 3 ? b : 0;
 }
 extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 14; }
+static int g_ride_first = 0;
+extern "C" void dfk_set_ride_first(int on) { g_ride_first = on ? 1 : 0; }
 /* Ring shape I (0..2) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
  * per warp NS; one n-tile 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2. Its kernel and
  * its dynamic shared memory for an input copy of `in` bytes. */
@@ -1976,6 +2030,7 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
     P.bulk = sched.bulk;
     P.dn = dn;
     P.diag = g_q_diag;
+    P.ride_first = g_ride_first;
     int blocks = 0;
     for (int i = 0; i < n; i++) {
         const int KW = lins[i].KW;
@@ -2016,7 +2071,7 @@ __global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaun
     dense_preload(P.d[di], row, wq);
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
-    dense_row(P.d[di], row, P.M, wq, red);
+    dense_row<DFK_MAX_ROWS>(P.d[di], row, P.M, wq, red);
 }
 
 /* The launch of n dense linears of M rows (0, or cudaErrorInvalidValue for a shape the kernel
