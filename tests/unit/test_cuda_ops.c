@@ -1247,9 +1247,42 @@ static void mma_multi_case(df_backend *be, const char *what) {
                                  m, M, i);
                 }
             }
+    /* linear_add of a bf16 linear with SwiGLU (its B fragments written by the preparation) ==
+     * swiglu, linear, add; the last row alone == its row of M */
+    const int I = 1280;
+    qlin dd;
+    make_linear(&dd, H, I, 0, 0, 0, DF_DTYPE_BF16, 0);
+    float *g = malloc((size_t)R * I * 4), *u = malloc((size_t)R * I * 4), *r0 = malloc((size_t)R * H * 4);
+    for (int i = 0; i < R * I; i++) {
+        g[i] = 2.0f * frand();
+        u[i] = frand();
+    }
+    for (int i = 0; i < R * H; i++) r0[i] = frand();
+    float *dg = dput(be, g, (size_t)R * I * 4), *du = dput(be, u, (size_t)R * I * 4);
+    float *dr = be->ops->alloc(be, (size_t)R * H * 4), *dr2 = be->ops->alloc(be, (size_t)R * H * 4);
+    float *da = be->ops->alloc(be, (size_t)R * I * 4), *dl = be->ops->alloc(be, (size_t)R * H * 4);
+    float *ha = malloc((size_t)R * H * 4), *hb = malloc((size_t)R * H * 4);
+    for (int M = 1; M <= R; M++) {
+        be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
+        be->ops->linear_add(be, &dd.L, dg, du, M, dr);
+        same_as_composition(be, &dd, dg, du, M, r0, dr, dr2, da, dl, ha, hb, "bf16 linear_add");
+        be->ops->to_device(be, dr2, r0 + (size_t)(M - 1) * H, (size_t)H * 4);
+        be->ops->linear_add(be, &dd.L, dg + (size_t)(M - 1) * I, du + (size_t)(M - 1) * I, 1, dr2);
+        dget(be, hb, dr2, (size_t)H * 4);
+        if (memcmp(ha + (size_t)(M - 1) * H, hb, (size_t)H * 4) != 0)
+            fail_msg("bf16 linear_add: row %d of M = %d differs from the single-row result", M - 1, M);
+    }
+    float *more[] = {dg, du, dr, dr2, da, dl};
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) dfree_(be, more[i]);
+    free_linear(&dd);
+    free(g);
+    free(u);
+    free(r0);
+    free(ha);
+    free(hb);
     gpu_ok(be, "bf16 linears in one launch");
-    printf("bf16 tensor-core linears in one launch (%s): == each alone, with and without a norm, 2-4 linears, "
-           "M = 1..16 == single rows\n", what);
+    printf("bf16 tensor-core linears in one launch (%s): == each alone, with and without a norm, 2-4 linears; "
+           "linear_add with SwiGLU == composition; M = 1..16 == single rows\n", what);
     float *bufs[] = {dx, dh, dh2, dy[0], dy[1], dy[2], dy[3], dz[0], dz[1], dz[2], dz[3]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree_(be, bufs[i]);
     for (int i = 0; i < 4; i++) free_linear(&q[i]);

@@ -1038,6 +1038,7 @@ static void cu_linear(df_backend *be, const df_linear *W, const float *x, int M,
 typedef struct a_qprep {
     const float *x, *up, *norm_w;
     float *h;
+    uint32_t *xb; /* the bf16 B fragments of v too (dfk_qprep_takes_xb), or NULL */
     float eps;
     int M, cols, seg, n;
     dfk_qout outs[DFK_QMAX];
@@ -1046,7 +1047,7 @@ typedef struct a_qprep {
 static int run_qprep(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_qprep *a = args;
-    return dfk_qprep(a->x, a->up, a->norm_w, a->eps, a->M, a->cols, a->seg, a->h, a->n, a->outs);
+    return dfk_qprep(a->x, a->up, a->norm_w, a->eps, a->M, a->cols, a->seg, a->h, a->xb, a->n, a->outs);
 }
 
 typedef struct a_qlin {
@@ -1142,9 +1143,44 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         dnorm = NULL;
         v = hh;
     }
+    /* the tensor-core linears without rotation of one format (a drafter's bf16 q/k/v, gate/up,
+     * o, down): one launch (dfk_linear_mma_multi: the bits of one launch each), its B fragments
+     * written by the preparation below when there is one and it can (bf16), else by their own */
+    a_mma g;
+    memset(&g, 0, sizeof g);
+    int done[DFK_QMAX] = {0}, first = -1;
+    for (int i = 0; i < n && cb->mma_group; i++) {
+        const int mode = es[i]->mode;
+        if (mode == LIN_SIMPLE || mode == LIN_Q || mode == LIN_DENSE || Ws[i]->hadamard_block > 0) continue;
+        if (first < 0) first = i;
+        else if (mode != es[first]->mode || es[i]->lgs != es[first]->lgs ||
+                 (Ws[i]->sdtype == DF_DTYPE_BF16) != (Ws[first]->sdtype == DF_DTYPE_BF16))
+            continue;
+        dfk_mlin *l = &g.l[g.n++];
+        l->codes = es[i]->d_w;
+        l->sb = es[i]->d_s;
+        l->rows = Ws[i]->rows;
+        l->KW = es[i]->KW;
+        l->y = ys[i];
+        done[i] = 1;
+        const int tr = mma_tr(cb, es[i], Ws[i]->rows, mm);
+        if (g.n == 1 || tr < g.TR) g.TR = tr;
+    }
+    const int qprep_on = nq || v != x;
+    const int frags_in_qprep = g.n > 0 && qprep_on && es[first]->mode == DFK_MMA_BF16 &&
+                               dfk_qprep_takes_xb(cols, qprep_seg(cols, base));
+    if (g.n == 1 && !frags_in_qprep) { /* alone and nothing saved: the unfused path below */
+        g.n = 0;
+        memset(done, 0, sizeof done);
+    }
+    if (frags_in_qprep &&
+        !scratch(cb, (void **)&cb->xb, &cb->xb_cap, (size_t)(mm + 1) / 2 * (size_t)(cols / 16) * 32 * 2,
+                 sizeof(uint32_t)))
+        return;
     a_qprep p;
     memset(&p, 0, sizeof p);
-    if (nq || v != x) {
+    if (qprep_on) {
+        p.xb = frags_in_qprep ? cb->xb : NULL;
         p.x = x;
         p.up = up;
         p.norm_w = dnorm;
@@ -1244,43 +1280,22 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         }
         record(cb, run_qlin, "linear", &q, sizeof q);
     }
-    /* the tensor-core linears without rotation of one format (a drafter's bf16 q/k/v, gate/up):
-     * one preparation and one launch (dfk_linear_mma_multi: the bits of one launch each) */
-    int done[DFK_QMAX] = {0};
-    if (!add && cb->mma_group) {
-        a_mma g;
-        memset(&g, 0, sizeof g);
-        int first = -1;
-        for (int i = 0; i < n; i++) {
-            const int mode = es[i]->mode;
-            if (mode == LIN_SIMPLE || mode == LIN_Q || mode == LIN_DENSE || Ws[i]->hadamard_block > 0) continue;
-            if (first < 0) first = i;
-            else if (mode != es[first]->mode || es[i]->lgs != es[first]->lgs ||
-                     (Ws[i]->sdtype == DF_DTYPE_BF16) != (Ws[first]->sdtype == DF_DTYPE_BF16))
-                continue;
-            dfk_mlin *l = &g.l[g.n++];
-            l->codes = es[i]->d_w;
-            l->sb = es[i]->d_s;
-            l->rows = Ws[i]->rows;
-            l->KW = es[i]->KW;
-            l->y = ys[i];
-            done[i] = 1;
-            const int tr = mma_tr(cb, es[i], Ws[i]->rows, mm);
-            if (g.n == 1 || tr < g.TR) g.TR = tr;
+    if (g.n > 0) {
+        if (!frags_in_qprep && !mma_prep(cb, v, mm, cols, es[first], Ws[first])) return;
+        g.mode = es[first]->mode;
+        g.gs = es[first]->lgs;
+        g.sb_bf16 = Ws[first]->sdtype == DF_DTYPE_BF16;
+        g.cols = cols;
+        g.M = mm;
+        g.xb = cb->xb;
+        g.xs = g.mode != DFK_MMA_BF16 ? cb->xs : NULL;
+        if (add) { /* y += W·v (one linear): the product into scratch, then the add */
+            if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)g.l[0].rows, sizeof(float)))
+                return;
+            g.l[0].y = cb->lbuf;
         }
-        if (g.n >= 2) {
-            if (!mma_prep(cb, v, mm, cols, es[first], Ws[first])) return;
-            g.mode = es[first]->mode;
-            g.gs = es[first]->lgs;
-            g.sb_bf16 = Ws[first]->sdtype == DF_DTYPE_BF16;
-            g.cols = cols;
-            g.M = mm;
-            g.xb = cb->xb;
-            g.xs = g.mode != DFK_MMA_BF16 ? cb->xs : NULL;
-            record(cb, run_lin_mma_multi, "linear", &g, sizeof g);
-        } else {
-            memset(done, 0, sizeof done);
-        }
+        record(cb, run_lin_mma_multi, "linear", &g, sizeof g);
+        if (add) cu_add(&cb->base, ys[first], cb->lbuf, (size_t)mm * (size_t)g.l[0].rows);
     }
     /* any other format unfused */
     for (int i = 0; i < n; i++) {

@@ -122,11 +122,15 @@ typedef struct dfk_qout {
 /* Activation preparation for up to DFK_QMAX linears that share one input, M rows:
  * v = up ? silu(x)·up : x (elementwise, float32); when norm_w != NULL, v = RMSNorm(v)·norm_w
  * (mean of squares over the whole row in the order of dfk_rmsnorm, then (v·rsqrt)·w: the same
- * bits as dfk_rmsnorm); h (when not NULL) receives v [M, cols]; then per output its rotation
+ * bits as dfk_rmsnorm); h (when not NULL) receives v [M, cols], and xb (when not NULL: see
+ * dfk_qprep_takes_xb) its bf16 B fragments; then per output its rotation
  * and quantization. seg: the columns of one block (a multiple of every output's hb and gs
  * dividing cols, <= DFK_QPREP_MAX_SEG); grid: M x cols/seg x n blocks. */
 int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg, float *h,
-              int n, const dfk_qout *outs);
+              uint32_t *xb, int n, const dfk_qout *outs);
+/* 1 when dfk_qprep can also write xb for cols and seg: the bf16 B fragments of v (dfk_prep's
+ * xb layout and bits, v unrotated) for the bf16 tensor-core linears of the same input. */
+int dfk_qprep_takes_xb(int cols, int seg);
 
 /* Code words of a repacked weight [rows, cols] (the sb table has ceil(rows/16)·(cols/gs)·16
  * words). */

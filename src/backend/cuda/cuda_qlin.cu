@@ -19,6 +19,7 @@
  *
  * Compiled with --fmad=false (no FMA contraction), like cuda_kernels.cu.
  */
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -36,6 +37,17 @@ static __device__ __forceinline__ float q_h16(uint32_t h, int bf16) {
     return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
 }
 
+
+/* Part s (0 = hi, 1 = mid, 2 = lo) of the exact three-way bf16 split of x, as bits (the
+ * operands of the bf16 tensor-core linear: dfk_prep's split, the same operations). */
+static __device__ __forceinline__ uint32_t q_split_part(float x, int s) {
+    const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+    const float r1 = x - __bfloat162float(hi);
+    const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+    const float r2 = r1 - __bfloat162float(mid);
+    const __nv_bfloat16 lo = __float2bfloat16_rn(r2);
+    return (uint32_t)__bfloat16_as_ushort(s == 0 ? hi : (s == 1 ? mid : lo));
+}
 
 /* Programmatic dependent launch: wait for the previous kernel of the stream (its writes
  * visible), and let the next one be scheduled. No-ops when the launch had no PDL attribute.
@@ -307,6 +319,31 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
     }
 }
 
+/* The bf16 B fragments of the tensor-core linear (dfk_prep's xb layout: n-tile m/2, lanes
+ * (3·(m%2) + s)·4 + t for the exact three-way split s of each value) of this thread's four
+ * values v of row m, columns e0..e0+3 (e0 % 4 == 0): the values of a 16-column block are held
+ * by four consecutive threads (columns 0-3, 4-7, 8-11, 12-15); a fragment word pair takes its
+ * .x from columns 2t, 2t+1 and its .y from 2t+8, 2t+9, so the threads of columns 0-7 take
+ * their partners' (two lanes up) words and store (act: this thread holds data). The split's
+ * bits: those of dfk_prep. Every thread of the warp calls it. */
+static __device__ __forceinline__ void q_bf16_frags(const float (&v)[4], int m, int cols, int e0, bool act,
+                                                    uint32_t *xb) {
+    const int q4 = (e0 >> 2) & 3, kb = e0 >> 4, kbt = cols >> 4;
+    uint2 *dst = reinterpret_cast<uint2 *>(xb) + ((size_t)(m >> 1) * (size_t)kbt + (size_t)kb) * 32;
+#pragma unroll
+    for (int sp = 0; sp < 3; sp++) {
+        uint32_t w[2];
+#pragma unroll
+        for (int p = 0; p < 2; p++) w[p] = q_split_part(v[2 * p], sp) | (q_split_part(v[2 * p + 1], sp) << 16);
+        const uint32_t y0 = __shfl_down_sync(QFULL, w[0], 2), y1 = __shfl_down_sync(QFULL, w[1], 2);
+        if (act && q4 < 2) { /* a 16-column block's four threads are all active or none */
+            const int lane_o = (3 * (m & 1) + sp) * 4 + 2 * q4;
+            dst[lane_o] = make_uint2(w[0], y0);
+            dst[lane_o + 1] = make_uint2(w[1], y1);
+        }
+    }
+}
+
 /* One Hadamard butterfly: (a, b) -> (a + b, a − b). */
 static __device__ __forceinline__ void q_bfly(float &a, float &b) {
     const float x = a, y = b;
@@ -325,7 +362,7 @@ static __device__ __forceinline__ void q_bfly(float &a, float &b) {
  * df_hadamard_inplace, so the values are those of k_qprep. Every thread of the block calls it. */
 static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, float4 nwv, float4 sgv, bool up,
                                                   const float *norm_w, float inv, int cols, int s0, int seg, float *hr,
-                                                  const dfk_qout &O, int m, float *xs) {
+                                                  uint32_t *xb, const dfk_qout &O, int m, float *xs) {
     const int tid = threadIdx.x, lane = tid & 31;
     const bool act = 4 * tid < seg;
     const int e0 = s0 + 4 * tid;
@@ -347,6 +384,7 @@ static __device__ __forceinline__ void q_prep_seg(float4 xv, float4 uv, float4 n
         }
         if (hr) *reinterpret_cast<float4 *>(hr + e0) = make_float4(v[0], v[1], v[2], v[3]);
     }
+    if (xb) q_bf16_frags(v, m, cols, e0, act, xb);
     if (!O.xq) return;
     const int hb = O.hb;
     if (hb > 0) {
@@ -407,8 +445,8 @@ static __device__ __forceinline__ void q_prep_consts(const float *norm_w, const 
  * (nwv, sgv: q_prep_consts). red: 8 floats and xs: 1024 floats of shared memory (both may be
  * reused right after). */
 static __device__ __forceinline__ void q_prep_block(const float *x, const float *up, const float *norm_w, float eps,
-                                                    int cols, int seg, float *h, const dfk_qout &O, int m, int s0,
-                                                    int oi, float *red, float *xs, float4 nwv, float4 sgv) {
+                                                    int cols, int seg, float *h, uint32_t *xb, const dfk_qout &O, int m,
+                                                    int s0, int oi, float *red, float *xs, float4 nwv, float4 sgv) {
     const float *xr = x + (size_t)m * (size_t)cols;
     const float *ur = up ? up + (size_t)m * (size_t)cols : NULL;
     /* the segment's loads first: their latency overlaps the row sum's */
@@ -420,12 +458,13 @@ static __device__ __forceinline__ void q_prep_block(const float *x, const float 
     }
     const float inv = norm_w ? dfk_rms_inv(dfk_row_sumsq(xr, ur, cols, red), cols, eps) : 1.0f;
     q_prep_seg(xv, uv, nwv, sgv, ur != NULL, norm_w, inv, cols, s0, seg,
-               (h && oi == 0) ? h + (size_t)m * (size_t)cols : NULL, O, m, xs);
+               (h && oi == 0) ? h + (size_t)m * (size_t)cols : NULL, oi == 0 ? xb : NULL, O, m, xs);
 }
 
 /* q_prep_block for block (m, segment, output o). */
 __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float *up, const float *norm_w, float eps,
-                                                    int cols, int seg, float *h, const __grid_constant__ qprep_args P) {
+                                                    int cols, int seg, float *h, uint32_t *xb,
+                                                    const __grid_constant__ qprep_args P) {
     __shared__ float red[8];
     __shared__ float xs[1024];
     const dfk_tr_start trs = dfk_tr_begin();
@@ -434,14 +473,15 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     q_prep_consts(norm_w, P.o[blockIdx.z], blockIdx.y * seg, seg, nwv, sgv);
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
-    q_prep_block(x, up, norm_w, eps, cols, seg, h, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red, xs,
-                 nwv, sgv);
+    q_prep_block(x, up, norm_w, eps, cols, seg, h, xb, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red,
+                 xs, nwv, sgv);
 }
 
 extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,
-                         float *h, int n, const dfk_qout *outs) {
+                         float *h, uint32_t *xb, int n, const dfk_qout *outs) {
     if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || seg <= 0 || cols % seg != 0 || seg > DFK_QPREP_MAX_SEG)
         return (int)cudaErrorInvalidValue;
+    if (xb && !dfk_qprep_takes_xb(cols, seg)) return (int)cudaErrorInvalidValue;
     qprep_args P;
     for (int i = 0; i < DFK_QMAX; i++) P.o[i] = i < n ? outs[i] : dfk_qout{};
     const size_t smem = (size_t)seg * sizeof(float);
@@ -452,8 +492,12 @@ extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, f
     }
     const dim3 grid((unsigned)M, (unsigned)(cols / seg), (unsigned)n);
     if (seg <= 1024 && seg % 4 == 0 && cols % 4 == 0)
-        return launch_pdl(k_qprep_fast, grid, dim3(256), 0, x, up, norm_w, eps, cols, seg, h, P);
+        return launch_pdl(k_qprep_fast, grid, dim3(256), 0, x, up, norm_w, eps, cols, seg, h, xb, P);
     return launch_pdl(k_qprep, grid, dim3(256), smem, x, up, norm_w, eps, cols, seg, h, P);
+}
+
+extern "C" int dfk_qprep_takes_xb(int cols, int seg) {
+    return seg > 0 && seg <= 1024 && seg % 16 == 0 && cols % 16 == 0 && cols % seg == 0;
 }
 
 /* ---- the linear --------------------------------------------------------------------------------- */
