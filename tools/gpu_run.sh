@@ -165,6 +165,13 @@ for s in $STEPS; do
       grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/dtrace_$exe.txt" | tee -a "$OUT/summary.txt"
       rm -f /tmp/trace.bin
     done ;;
+  ncuattn)
+    # ncu on the first per-row attention launch of bench_cuda_ops (4 rows at context 1024)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:${NCU_KERNELS:-k_attn_part} --launch-skip ${NCU_SKIP:-0} --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      "$BIN/bench_cuda_ops" --iters 2 > "$OUT/ncuattn.log" 2>&1
+    grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncuattn.log" | grep -A150 "${NCU_KERNELS:-k_attn_part}" | head -150 | tee -a "$OUT/summary.txt" ;;
   spectrace)
     # the kernel timeline of speculative rounds (τ = 2.7, block 4): steps split at k_embed, so a
     # verify pass (with the settle and the drafter's context after it), then a drafter pass

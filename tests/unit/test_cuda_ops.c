@@ -1272,6 +1272,17 @@ static void mma_multi_case(df_backend *be, const char *what) {
         if (memcmp(ha + (size_t)(M - 1) * H, hb, (size_t)H * 4) != 0)
             fail_msg("bf16 linear_add: row %d of M = %d differs from the single-row result", M - 1, M);
     }
+    /* without SwiGLU (no preparation before it: the add in the linear's epilogue) == linear, add */
+    for (int M = 1; M <= R; M++) {
+        be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
+        be->ops->linear_add(be, &dd.L, dg, NULL, M, dr);
+        be->ops->to_device(be, dr2, r0, (size_t)R * H * 4);
+        be->ops->linear(be, &dd.L, dg, M, dl);
+        be->ops->add(be, dr2, dl, (size_t)M * H);
+        dget(be, ha, dr, (size_t)M * H * 4);
+        dget(be, hb, dr2, (size_t)M * H * 4);
+        if (memcmp(ha, hb, (size_t)M * H * 4) != 0) fail_msg("bf16 linear_add (M = %d) differs from linear + add", M);
+    }
     float *more[] = {dg, du, dr, dr2, da, dl};
     for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) dfree_(be, more[i]);
     free_linear(&dd);
@@ -1282,7 +1293,7 @@ static void mma_multi_case(df_backend *be, const char *what) {
     free(hb);
     gpu_ok(be, "bf16 linears in one launch");
     printf("bf16 tensor-core linears in one launch (%s): == each alone, with and without a norm, 2-4 linears; "
-           "linear_add with SwiGLU == composition; M = 1..16 == single rows\n", what);
+           "linear_add with and without SwiGLU == composition; M = 1..16 == single rows\n", what);
     float *bufs[] = {dx, dh, dh2, dy[0], dy[1], dy[2], dy[3], dz[0], dz[1], dz[2], dz[3]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree_(be, bufs[i]);
     for (int i = 0; i < 4; i++) free_linear(&q[i]);

@@ -1169,7 +1169,7 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
     const int qprep_on = nq || v != x;
     const int frags_in_qprep = g.n > 0 && qprep_on && es[first]->mode == DFK_MMA_BF16 &&
                                dfk_qprep_takes_xb(cols, qprep_seg(cols, base));
-    if (g.n == 1 && !frags_in_qprep) { /* alone and nothing saved: the unfused path below */
+    if (g.n == 1 && !frags_in_qprep && !add) { /* alone and nothing saved: the unfused path below */
         g.n = 0;
         memset(done, 0, sizeof done);
     }
@@ -1289,13 +1289,8 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         g.M = mm;
         g.xb = cb->xb;
         g.xs = g.mode != DFK_MMA_BF16 ? cb->xs : NULL;
-        if (add) { /* y += W·v (one linear): the product into scratch, then the add */
-            if (!scratch(cb, (void **)&cb->lbuf, &cb->lbuf_cap, (size_t)mm * (size_t)g.l[0].rows, sizeof(float)))
-                return;
-            g.l[0].y = cb->lbuf;
-        }
+        g.l[0].add = add; /* y += W·v (one linear): the add in the epilogue */
         record(cb, run_lin_mma_multi, "linear", &g, sizeof g);
-        if (add) cu_add(&cb->base, ys[first], cb->lbuf, (size_t)mm * (size_t)g.l[0].rows);
     }
     /* any other format unfused */
     for (int i = 0; i < n; i++) {

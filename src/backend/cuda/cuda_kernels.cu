@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_mma(const __grid_constant__ m
     float *__restrict__ y = P.d[wi].y;
     const uint2 *__restrict__ xb = P.xb;
     const float *__restrict__ xs = P.xs;
-    const int rows = P.d[wi].rows, tiles = (rows + 15) / 16, KW = P.d[wi].KW;
+    const int rows = P.d[wi].rows, tiles = (rows + 15) / 16, KW = P.d[wi].KW, add = P.d[wi].add;
     const int sb_bf16 = P.sb_bf16, ng = P.ng, kbt = P.kbt, M = P.M;
     typedef lin_cfg<MODE, GS, NT, TR> C;
     constexpr int WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, KBG = C::KBG, GP = C::GP, KC = C::KC;
@@ -576,8 +576,9 @@ __global__ void __launch_bounds__(256, MINB) k_lin_mma(const __grid_constant__ m
             const int tok = 2 * nt + t;
             if (tok >= M) continue;
             const int r0 = tile * 16 + g, r1 = r0 + 8;
-            if (r0 < rows) y[(size_t)tok * (size_t)rows + (size_t)r0] = yv[tr][nt][0];
-            if (r1 < rows) y[(size_t)tok * (size_t)rows + (size_t)r1] = yv[tr][nt][1];
+            float *y0 = y + (size_t)tok * (size_t)rows + (size_t)r0, *y1 = y0 + 8;
+            if (r0 < rows) *y0 = add ? *y0 + yv[tr][nt][0] : yv[tr][nt][0];
+            if (r1 < rows) *y1 = add ? *y1 + yv[tr][nt][1] : yv[tr][nt][1];
         }
     }
 }
@@ -846,7 +847,7 @@ extern "C" int dfk_linear_mma(int mode, int gs, const uint32_t *codes, const uin
     if (mode != DFK_MMA_Q2 && mode != DFK_MMA_Q4 && mode != DFK_MMA_Q8 && mode != DFK_MMA_BF16)
         return (int)cudaErrorInvalidValue;
     if (mode != DFK_MMA_BF16 && gs != 64 && gs != 128) return (int)cudaErrorInvalidValue;
-    const dfk_mlin l = {codes, sb, rows, KW, y};
+    const dfk_mlin l = {codes, sb, rows, KW, 0, y};
     return dfk_linear_mma_multi(mode, gs, sb_bf16, cols, xb, xs, M, TR, 1, &l);
 }
 
@@ -1823,15 +1824,17 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             const float bin = lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float ain = lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
+            /* q only where the outputs are wanted (out == NULL: the states alone, which never
+             * read q) */
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
             for (int i = 0; i < PL; i++) {
                 const int e = lane + 32 * i;
                 if constexpr (FUSED) {
-                    qv[i] = e < DK ? cbuf[r * nch + e] : 0.0f;
+                    qv[i] = e < DK && out ? cbuf[r * nch + e] : 0.0f;
                     kv[i] = e < DK ? cbuf[r * nch + DK + e] : 0.0f;
                 } else {
-                    qv[i] = e < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
+                    qv[i] = e < DK && out ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
                     kv[i] = e < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)e]) : 0.0f;
                 }
             }
@@ -1840,12 +1843,13 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 sq = sq + qv[i] * qv[i];
                 sk = sk + kv[i] * kv[i];
             }
-            const float qn = 1.0f / sqrtf(warp_sum(sq) + 1e-6f), kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+            const float qn = out ? 1.0f / sqrtf(warp_sum(sq) + 1e-6f) : 0.0f;
+            const float kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
 #pragma unroll
             for (int i = 0; i < PL; i++) {
                 const int e = lane + 32 * i;
                 if (e < DK) {
-                    qs[r * DK + e] = (qv[i] * qn) * qscale;
+                    if (out) qs[r * DK + e] = (qv[i] * qn) * qscale;
                     ks[r * DK + e] = kv[i] * kn;
                 }
             }
@@ -1869,10 +1873,19 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 s[i] = s[i] * decay;
                 mp = mp + s[i] * kr[i];
             }
-            part[grp * dv + v] = mp;
+            /* the states alone (out == NULL) alternate part and part2 between rows: the
+             * barrier after a row's write then also orders the previous row's reads of the other
+             * buffer before the next write to it, so one barrier a row */
+            float *pp = (!out && (r & 1)) ? part2 : part;
+            pp[grp * dv + v] = mp;
             __syncthreads();
-            const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
+            const float mem = ((pp[v] + pp[dv + v]) + pp[2 * dv + v]) + pp[3 * dv + v];
             const float d = (vin - mem) * beta;
+            if (!out) { /* no output: the update alone */
+#pragma unroll
+                for (int i = 0; i < SPT; i++) s[i] = s[i] + kr[i] * d;
+                continue;
+            }
             float op = 0.0f;
 #pragma unroll
             for (int i = 0; i < SPT; i++) {

@@ -95,12 +95,13 @@ int dfk_linear_simple(const void *w, int wdtype, const uint16_t *scales, const u
 typedef struct dfk_mlin {
     const uint32_t *codes, *sb;
     int rows, KW;
+    int add; /* 1: y += W·x' (y + the product, one float add: the bits of dfk_add after it) */
     float *y;
 } dfk_mlin;
 
 /* n (1..DFK_QMAX) linears of one format and one prepared input (xb, xs of dfk_prep: cols
  * columns, M rows) in one launch of dfk_linear_mma's kernel: each linear's rows get exactly
- * dfk_linear_mma's bits (the same blocks, laid end to end). Returns 0 or a CUDA error
+ * dfk_linear_mma's bits (the same blocks, laid end to end), added to y where asked. Returns 0 or a CUDA error
  * (cudaErrorInvalidValue for a shape it does not take). */
 int dfk_linear_mma_multi(int mode, int gs, int sb_bf16, int cols, const uint32_t *xb, const float *xs, int M, int TR,
                          int n, const dfk_mlin *lins);
