@@ -69,9 +69,10 @@ for s in $STEPS; do
     t timeout 420 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 8,4 \
       --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --draft-quant-pass 8,4 --identity 5,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
   short)
-    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200" >> "$OUT/summary.txt"
-    t timeout 200 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 \
-      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
+    # SHORT_ARGS: more bench options (e.g. --draft-quant-pass 8,4)
+    echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200 ${SHORT_ARGS:-}" >> "$OUT/summary.txt"
+    t timeout 300 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 128 --block 4 \
+      --synthetic-acceptance 2.7 --synthetic-acceptance 4.5 --identity 3,200 ${SHORT_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tee -a "$OUT/summary.txt" ;;
   exp)
     for v in "DFLASH_CUDA_KW=2" "DFLASH_CUDA_KW=4" "DFLASH_CUDA_TARGET_CTAS=264" "DFLASH_CUDA_TARGET_CTAS=132"; do
       echo "-- $v" | tee -a "$OUT/summary.txt"
