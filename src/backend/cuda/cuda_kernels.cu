@@ -1824,17 +1824,15 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             const float bin = lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float ain = lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
-            /* q only where the outputs are wanted (out == NULL: the states alone, which never
-             * read q) */
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
             for (int i = 0; i < PL; i++) {
                 const int e = lane + 32 * i;
                 if constexpr (FUSED) {
-                    qv[i] = e < DK && out ? cbuf[r * nch + e] : 0.0f;
+                    qv[i] = e < DK ? cbuf[r * nch + e] : 0.0f;
                     kv[i] = e < DK ? cbuf[r * nch + DK + e] : 0.0f;
                 } else {
-                    qv[i] = e < DK && out ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
+                    qv[i] = e < DK ? __ldcg(&row[(size_t)kh * DK + (size_t)e]) : 0.0f;
                     kv[i] = e < DK ? __ldcg(&row[(size_t)Kd + (size_t)kh * DK + (size_t)e]) : 0.0f;
                 }
             }
@@ -1843,13 +1841,12 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 sq = sq + qv[i] * qv[i];
                 sk = sk + kv[i] * kv[i];
             }
-            const float qn = out ? 1.0f / sqrtf(warp_sum(sq) + 1e-6f) : 0.0f;
-            const float kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+            const float qn = 1.0f / sqrtf(warp_sum(sq) + 1e-6f), kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
 #pragma unroll
             for (int i = 0; i < PL; i++) {
                 const int e = lane + 32 * i;
                 if (e < DK) {
-                    if (out) qs[r * DK + e] = (qv[i] * qn) * qscale;
+                    qs[r * DK + e] = (qv[i] * qn) * qscale;
                     ks[r * DK + e] = kv[i] * kn;
                 }
             }
@@ -1873,19 +1870,10 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                 s[i] = s[i] * decay;
                 mp = mp + s[i] * kr[i];
             }
-            /* the states alone (out == NULL) alternate part and part2 between rows: the
-             * barrier after a row's write then also orders the previous row's reads of the other
-             * buffer before the next write to it, so one barrier a row */
-            float *pp = (!out && (r & 1)) ? part2 : part;
-            pp[grp * dv + v] = mp;
+            part[grp * dv + v] = mp;
             __syncthreads();
-            const float mem = ((pp[v] + pp[dv + v]) + pp[2 * dv + v]) + pp[3 * dv + v];
+            const float mem = ((part[v] + part[dv + v]) + part[2 * dv + v]) + part[3 * dv + v];
             const float d = (vin - mem) * beta;
-            if (!out) { /* no output: the update alone */
-#pragma unroll
-                for (int i = 0; i < SPT; i++) s[i] = s[i] + kr[i] * d;
-                continue;
-            }
             float op = 0.0f;
 #pragma unroll
             for (int i = 0; i < SPT; i++) {
