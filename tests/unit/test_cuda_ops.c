@@ -1095,6 +1095,27 @@ static void same_as_composition(df_backend *be, const qlin *d, const float *gate
     if (memcmp(ha, hb, (size_t)M * H * 4) != 0) fail_msg("%s (M = %d) differs from swiglu + linear + add", what, M);
 }
 
+/* linear_add of d (SwiGLU of gate, up: device [R, d.cols]) over the residual r0 (host [R, d.rows])
+ * for M = 1..R == swiglu + linear + add (same_as_composition), and its last row alone == that
+ * row of M (for every M when each_M, else at M = R). dr, dr2 [R, rows], da [R, cols], dl
+ * [R, rows]: device scratch; ha, hb: host scratch [R, rows]. */
+static void linear_add_rows(df_backend *be, const qlin *d, const float *gate, const float *up, const float *r0, int R,
+                            int each_M, float *dr, float *dr2, float *da, float *dl, float *ha, float *hb,
+                            const char *what) {
+    const size_t H = (size_t)d->L.rows, I = (size_t)d->L.cols;
+    for (int M = 1; M <= R; M++) {
+        be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
+        be->ops->linear_add(be, &d->L, gate, up, M, dr);
+        same_as_composition(be, d, gate, up, M, r0, dr, dr2, da, dl, ha, hb, what);
+        if (!each_M && M < R) continue;
+        be->ops->to_device(be, dr2, r0 + (size_t)(M - 1) * H, H * 4);
+        be->ops->linear_add(be, &d->L, gate + (size_t)(M - 1) * I, up + (size_t)(M - 1) * I, 1, dr2);
+        dget(be, hb, dr2, H * 4);
+        if (memcmp(ha + (size_t)(M - 1) * H, hb, H * 4) != 0)
+            fail_msg("%s: row %d of M = %d differs from the single-row result", what, M - 1, M);
+    }
+}
+
 static void fused_case(df_backend *be, const char *kernel) {
     const int H = 1024, R = DF_MAX_ROWS, I = 2048;
     qlin q[4], d;
@@ -1146,19 +1167,7 @@ static void fused_case(df_backend *be, const char *kernel) {
     float *dr = be->ops->alloc(be, (size_t)R * H * 4), *dr2 = be->ops->alloc(be, (size_t)R * H * 4);
     float *da = be->ops->alloc(be, (size_t)R * I * 4), *dl = be->ops->alloc(be, (size_t)R * H * 4);
     float *ha = malloc((size_t)R * H * 4), *hb = malloc((size_t)R * H * 4);
-    for (int M = 1; M <= R; M++) {
-        be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
-        be->ops->linear_add(be, &d.L, dx, du, M, dr);
-        same_as_composition(be, &d, dx, du, M, r0, dr, dr2, da, dl, ha, hb, "linear_add");
-        if (M == R) {
-            /* the last row alone */
-            be->ops->to_device(be, dr2, r0 + (size_t)(M - 1) * H, (size_t)H * 4);
-            be->ops->linear_add(be, &d.L, dx + (size_t)(M - 1) * I, du + (size_t)(M - 1) * I, 1, dr2);
-            dget(be, hb, dr2, (size_t)H * 4);
-            if (memcmp(ha + (size_t)(M - 1) * H, hb, (size_t)H * 4) != 0)
-                fail_msg("linear_add: row %d of M = %d differs from the single-row result", M - 1, M);
-        }
-    }
+    linear_add_rows(be, &d, dx, du, r0, R, 0, dr, dr2, da, dl, ha, hb, "linear_add");
     /* an input preparation right after the fixed-point launch that writes its input: linears
      * after linear_add (RMSNorm of the residual), linear_add after linears (SwiGLU of gate and
      * up) == the same with another kernel in between */
@@ -1262,16 +1271,7 @@ static void mma_multi_case(df_backend *be, const char *what) {
     float *dr = be->ops->alloc(be, (size_t)R * H * 4), *dr2 = be->ops->alloc(be, (size_t)R * H * 4);
     float *da = be->ops->alloc(be, (size_t)R * I * 4), *dl = be->ops->alloc(be, (size_t)R * H * 4);
     float *ha = malloc((size_t)R * H * 4), *hb = malloc((size_t)R * H * 4);
-    for (int M = 1; M <= R; M++) {
-        be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
-        be->ops->linear_add(be, &dd.L, dg, du, M, dr);
-        same_as_composition(be, &dd, dg, du, M, r0, dr, dr2, da, dl, ha, hb, "bf16 linear_add");
-        be->ops->to_device(be, dr2, r0 + (size_t)(M - 1) * H, (size_t)H * 4);
-        be->ops->linear_add(be, &dd.L, dg + (size_t)(M - 1) * I, du + (size_t)(M - 1) * I, 1, dr2);
-        dget(be, hb, dr2, (size_t)H * 4);
-        if (memcmp(ha + (size_t)(M - 1) * H, hb, (size_t)H * 4) != 0)
-            fail_msg("bf16 linear_add: row %d of M = %d differs from the single-row result", M - 1, M);
-    }
+    linear_add_rows(be, &dd, dg, du, r0, R, 1, dr, dr2, da, dl, ha, hb, "bf16 linear_add");
     /* without SwiGLU (no preparation before it: the add in the linear's epilogue) == linear, add */
     for (int M = 1; M <= R; M++) {
         be->ops->to_device(be, dr, r0, (size_t)R * H * 4);
