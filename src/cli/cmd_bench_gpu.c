@@ -495,6 +495,16 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     if (!o.drafter && (o.n_taus || o.n_quant || o.id_prompts || o.draft_quant))
         return usage_error("%s", "--synthetic-acceptance, --draft-quant-pass, --draft-quant and --identity need a drafter "
                                  "(--drafter DIR, or a drafter/ folder in the model folder)");
+    if (o.drafter) { /* checked now, not after the plain runs it follows (its weights load later) */
+        char cpath[4096];
+        snprintf(cpath, sizeof cpath, "%s/config.json", o.drafter);
+        FILE *cf = fopen(cpath, "rb");
+        if (!cf) {
+            fprintf(stderr, "dflash bench: --drafter: %s: %s\n", cpath, strerror(errno));
+            return 1;
+        }
+        fclose(cf);
+    }
     setvbuf(stdout, NULL, _IOLBF, 0);
     df_error err = {0};
     double bw = 0;
@@ -721,6 +731,9 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                            o.taus[ti], o.blocks[bi], slabel,
                            tpr, res.draft_rounds, spec_ms, 1000.0 / spec_ms, 1000.0 / near_ms, near_ms / spec_ms,
                            same ? "yes" : "NO");
+                if (o.taus[ti] > (double)o.blocks[bi])
+                    printf("  note: a round of block %d gives at most %d tokens, so tau %.2f is out of reach\n",
+                           o.blocks[bi], o.blocks[bi], o.taus[ti]);
                 cuda_stats_print(e, "  ");
                 df_gen_result_free(&res);
                 if (!same) goto out;

@@ -157,6 +157,8 @@ int cmd_generate(int argc, char **argv) {
     if (!!prompt + !!chat + !!messages + !!prompt_ids != 1)
         return cli_usage_error(&cmd, "give exactly one of --prompt, --chat, --messages and --prompt-ids");
     if (cli_check_draft_options(&cmd, drafter_dir, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;
+    if (thinking && !chat && !messages)
+        return cli_usage_error(&cmd, "--enable-thinking applies to --chat and --messages only");
 
     char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;

@@ -4,6 +4,7 @@
 #include "dflash/speculative.h"
 #include "dflash/tokenizer.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <float.h>
 #include <limits.h>
@@ -156,6 +157,7 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     }
     case CLI_INT:
     case CLI_SIZE: {
+        if (isspace((unsigned char)v[0])) return bad_value(cmd, o, v, "expected an integer"); /* as trailing space */
         long long x = strtoll(v, &end, 10);
         if (errno || end == v || *end) return bad_value(cmd, o, v, "expected an integer");
         if (!in_range(o, (double)x)) return range_error(cmd, o, v);
@@ -169,6 +171,7 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         return 0;
     }
     case CLI_U64: { /* a 64-bit value: 0..2^64-1, or a negative int64 taken modulo 2^64 (as the server's "seed") */
+        if (isspace((unsigned char)v[0])) return bad_value(cmd, o, v, "expected a 64-bit integer");
         if (v[0] == '-') {
             long long x = strtoll(v, &end, 10);
             if (errno || end == v || *end) return bad_value(cmd, o, v, "expected a 64-bit integer");
@@ -183,7 +186,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     case CLI_FLOAT:
     case CLI_FLOAT_GT: {
         double x = strtod(v, &end);
-        if (errno || end == v || *end || !isfinite(x)) return bad_value(cmd, o, v, "expected a number");
+        if (errno || end == v || *end || !isfinite(x) || isspace((unsigned char)v[0]))
+            return bad_value(cmd, o, v, "expected a number");
         if (!in_range(o, x)) return range_error(cmd, o, v);
         float f = (float)x;
         /* above an open lower bound, a value float32 rounds onto the bound is the next float */

@@ -64,7 +64,8 @@ int cmd_tokenize(int argc, char **argv) {
         const int32_t vocab = df_tokenizer_vocab_size(tok);
         for (size_t i = 0; i < n; i++)
             if (ids[i] < 0 || ids[i] >= vocab) {
-                cli_error("tokenize", "--decode: token id %d outside the tokenizer's [0, %d)", (int)ids[i], (int)vocab);
+                cli_error("tokenize", "--decode: token id %d is outside 0..%d (the tokenizer's ids)", (int)ids[i],
+                          (int)vocab - 1);
                 rc = CLI_EXIT_USAGE;
                 goto done;
             }

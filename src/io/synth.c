@@ -493,6 +493,9 @@ static df_status copy_file(const char *src, const char *dst, int optional, df_er
 static df_status make_dir(const char *d, df_error *err) {
     if (mkdir(d, 0755) != 0 && errno != EEXIST)
         return df_error_set(err, DF_ERR_IO, "%s: cannot create the folder: %s", d, strerror(errno));
+    struct stat sb;
+    if (stat(d, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return df_error_set(err, DF_ERR_IO, "%s: not a folder (the output must be a new or empty folder)", d);
     return DF_OK;
 }
 

@@ -217,6 +217,10 @@ def test_top_level_help_and_errors():
     ["generate", "--chat", "hi", "--messages", "f.json"],
     ["render"],
     ["render", "--request", "f.json", "--bogus"],
+    ["generate", "--prompt", "hi", "--enable-thinking"],
+    ["generate", "--chat", "hi", "--max-tokens", " 5"],
+    ["generate", "--chat", "hi", "--temperature", " 1"],
+    ["generate", "--chat", "hi", "--seed", " 1"],
 ])
 def test_usage_errors_exit_2(args):
     p = run_cli(*args)
@@ -361,9 +365,18 @@ def test_bench_checks_its_options():
         p = run_cli(*base, *args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
         assert "dflash bench:" in p.stderr, (args, p.stderr)
+    # a drafter folder without a config: refused before the plain runs
+    p = run_cli(*base, "--drafter", "/nonexistent-drafter", "--synthetic-acceptance", "2.7")
+    assert p.returncode == 1 and "/nonexistent-drafter/config.json" in p.stderr, p.stderr
+    assert "plain decode" not in p.stdout, p.stdout
     p = run_cli(*base, "--drafter", DRAFTER, "--synthetic-acceptance", "2.7", "--block", "4")
     assert p.returncode == 0, p.stderr
     assert "tokens identical to plain: yes" in p.stdout
+    assert "out of reach" not in p.stdout
+    # a tau above what the block can give is run and said to be out of reach
+    p = run_cli(*base, "--drafter", DRAFTER, "--synthetic-acceptance", "5", "--block", "4")
+    assert p.returncode == 0, p.stderr
+    assert "a round of block 4 gives at most 4 tokens, so tau 5.00 is out of reach" in p.stdout, p.stdout
     assert re.search(r"per round \(phases awaited\): drafter pass [0-9.]+ ms, verify pass [0-9.]+ ms", p.stdout)
     # --draft-quant: the speculative runs' drafter quantized at load, labelled; the output unchanged
     p = run_cli(*base, "--drafter", DRAFTER, "--synthetic-acceptance", "2.7", "--block", "4", "--draft-quant", "8")
@@ -414,6 +427,15 @@ def test_synth_names_what_is_missing():
     p = run_cli("synth", "--out", "/tmp/x", "--bogus")
     assert p.returncode == 2
     assert "--bogus" in p.stderr
+
+
+def test_synth_out_must_be_a_folder(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    p = run_cli("synth", "--config", "tiny", "--out", str(f))
+    assert p.returncode == 1
+    assert "not a folder" in p.stderr, p.stderr
+    assert f.read_text() == "x"
 
 
 def test_env_model_is_used(tmp_path):
