@@ -530,8 +530,10 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     }
     const df_pack *pk = df_engine_pack(e);
     const int V = df_engine_vocab_size(e);
-    printf("pack %s: %d layers, hidden %d, vocab %d; loaded (mapped) in %.1f s\n", o.model, pk->cfg.n_layers,
-           pk->cfg.hidden_size, V, (df_now_ms() - t0) / 1000.0);
+    char *model_real = realpath(o.model, NULL); /* the folder as the user would name it */
+    printf("pack %s: %d layers, hidden %d, vocab %d; loaded (mapped) in %.1f s\n", model_real ? model_real : o.model,
+           pk->cfg.n_layers, pk->cfg.hidden_size, V, (df_now_ms() - t0) / 1000.0);
+    free(model_real);
     int max_mem = 0;
     for (int i = 0; i < o.n_mem; i++)
         if (o.mem_ctx[i] > max_mem) max_mem = o.mem_ctx[i];

@@ -19,7 +19,8 @@ static void progress(void *user, const char *file, double done, double total) {
     double now = df_now_ms();
     if (done < total && now - *last < 2000.0) return;
     *last = now;
-    fprintf(stderr, "synth: %s %.2f / %.2f GB\n", file, done / 1e9, total / 1e9);
+    if (total < 1e9) fprintf(stderr, "synth: %s %.2f / %.2f MB\n", file, done / 1e6, total / 1e6);
+    else fprintf(stderr, "synth: %s %.2f / %.2f GB\n", file, done / 1e9, total / 1e9);
 }
 
 static const char SYNTH_HELP[] =
