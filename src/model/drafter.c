@@ -639,34 +639,26 @@ static df_status add_context(df_draft_state *s, const float *feats, int on_devic
         }
         op->linear(be, &d->fc, fi, M, s->y);
         op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
-        if (op->linears) {
-            /* every layer's K and V projections of the one input ctx, four linears a call (a GPU
-             * runs each call as one launch), into t2 (K) and t3 (V), layer l at column l·kv; t1
-             * (the features) is free once fc has run */
-            const df_linear *Ws[4];
-            float *ys[4];
-            int k = 0;
-            for (int l = 0; l < c->n_layers; l++)
-                for (int j = 0; j < 2; j++) {
-                    Ws[k] = j ? &d->layers[l].v : &d->layers[l].k;
-                    ys[k] = (j ? s->t3 : s->t2) + (size_t)l * (size_t)M * kv;
-                    if (++k == 4 || (l == c->n_layers - 1 && j == 1)) {
-                        op->linears(be, s->ctx, NULL, 0.0f, M, H, k, Ws, ys, NULL);
-                        k = 0;
-                    }
-                }
-            for (int l = 0; l < c->n_layers; l++) {
-                const size_t o = (size_t)l * (size_t)M * kv;
-                op->kv_append(be, &sh, s->t2 + o, s->t3 + o, d->layers[l].k_norm.data, pos, M, s->k_cache[l],
-                              s->v_cache[l], s->len);
+        /* every layer's K and V projections of the one input ctx, four linears a `linears` call
+         * where the backend has it (a GPU runs each call as one launch), into t2 (K) and t3 (V),
+         * layer l at offset l·M·kv; t1 (the features) is free once fc has run */
+        const df_linear *Ws[4];
+        float *ys[4];
+        int k = 0;
+        for (int l = 0; l < c->n_layers; l++)
+            for (int j = 0; j < 2; j++) {
+                Ws[k] = j ? &d->layers[l].v : &d->layers[l].k;
+                ys[k] = (j ? s->t3 : s->t2) + (size_t)l * (size_t)M * kv;
+                if (++k < 4 && !(l == c->n_layers - 1 && j == 1)) continue;
+                if (op->linears) op->linears(be, s->ctx, NULL, 0.0f, M, H, k, Ws, ys, NULL);
+                else
+                    for (int q = 0; q < k; q++) op->linear(be, Ws[q], s->ctx, M, ys[q]);
+                k = 0;
             }
-        } else {
-            for (int l = 0; l < c->n_layers; l++) {
-                const draft_layer *L = &d->layers[l];
-                op->linear(be, &L->k, s->ctx, M, s->tk);
-                op->linear(be, &L->v, s->ctx, M, s->tv);
-                op->kv_append(be, &sh, s->tk, s->tv, L->k_norm.data, pos, M, s->k_cache[l], s->v_cache[l], s->len);
-            }
+        for (int l = 0; l < c->n_layers; l++) {
+            const size_t o = (size_t)l * (size_t)M * kv;
+            op->kv_append(be, &sh, s->t2 + o, s->t3 + o, d->layers[l].k_norm.data, pos, M, s->k_cache[l],
+                          s->v_cache[l], s->len);
         }
         s->len += M;
     }

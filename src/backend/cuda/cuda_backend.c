@@ -936,15 +936,18 @@ static void prep_fill(a_prep *p, const float *xin, int mm, int cols, const wentr
     p->hb = hb;
 }
 
+/* Words of the tensor-core linear's B fragments of mm rows of cols columns (dfk_prep's xb:
+ * uint2 [ceil(mm/2), cols/16, 32]). */
+static size_t mma_xb_words(int mm, int cols) { return (size_t)(mm + 1) / 2 * (size_t)(cols / 16) * 32 * 2; }
+
 /* Records the preparation of x [mm, cols] for the tensor-core linears of W's format and
  * rotation (e: W's entry) into cb->xf, cb->xb (and cb->xs when quantized), unless the commands
  * recorded last already made exactly it. Returns 0 when out of memory (cb failed). */
 static int mma_prep(cuda_backend *cb, const float *xin, int mm, int cols, const wentry *e, const df_linear *W) {
     const int hb = W->hadamard_block, quant = e->mode != DFK_MMA_BF16;
     const int gs = quant ? e->lgs : 0;
-    const size_t kbt = (size_t)cols / 16, pairs = (size_t)(mm + 1) / 2;
     if (!scratch(cb, (void **)&cb->xf, &cb->xf_cap, (size_t)mm * (size_t)cols, sizeof(float)) ||
-        !scratch(cb, (void **)&cb->xb, &cb->xb_cap, pairs * kbt * 32 * 2, sizeof(uint32_t)) ||
+        !scratch(cb, (void **)&cb->xb, &cb->xb_cap, mma_xb_words(mm, cols), sizeof(uint32_t)) ||
         (quant && !scratch(cb, (void **)&cb->xs, &cb->xs_cap, (size_t)mm * (size_t)(cols / gs), sizeof(float))))
         return 0;
     a_prep p;
@@ -1173,9 +1176,7 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
         g.n = 0;
         memset(done, 0, sizeof done);
     }
-    if (frags_in_qprep &&
-        !scratch(cb, (void **)&cb->xb, &cb->xb_cap, (size_t)(mm + 1) / 2 * (size_t)(cols / 16) * 32 * 2,
-                 sizeof(uint32_t)))
+    if (frags_in_qprep && !scratch(cb, (void **)&cb->xb, &cb->xb_cap, mma_xb_words(mm, cols), sizeof(uint32_t)))
         return;
     a_qprep p;
     memset(&p, 0, sizeof p);

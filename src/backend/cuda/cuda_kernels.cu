@@ -116,19 +116,6 @@ static __device__ void smem_hadamard(float *sm, int n, int hb, float hscale) {
     __syncthreads();
 }
 
-/* ---- bf16 splitting ----------------------------------------------------------------------- */
-
-static __device__ __forceinline__ uint32_t bf16_bits(__nv_bfloat16 v) { return (uint32_t)__bfloat16_as_ushort(v); }
-
-/* Part s (0 = hi, 1 = mid, 2 = lo) of the exact three-way bf16 split of x. */
-static __device__ __forceinline__ uint32_t split_part(float x, int s) {
-    __nv_bfloat16 hi = __float2bfloat16_rn(x);
-    float r1 = x - __bfloat162float(hi);
-    __nv_bfloat16 mid = __float2bfloat16_rn(r1);
-    float r2 = r1 - __bfloat162float(mid);
-    __nv_bfloat16 lo = __float2bfloat16_rn(r2);
-    return s == 0 ? bf16_bits(hi) : (s == 1 ? bf16_bits(mid) : bf16_bits(lo));
-}
 
 /* ---- prep ---------------------------------------------------------------------------------- */
 
@@ -176,8 +163,8 @@ __global__ void k_prep(const float *__restrict__ x, int cols, const float *__res
             int kb = it / 12, r = it % 12, s = r / 4, t = r % 4;
             const float *v = sm + kb * 16;
             uint2 o;
-            o.x = split_part(v[2 * t], s) | (split_part(v[2 * t + 1], s) << 16);
-            o.y = split_part(v[2 * t + 8], s) | (split_part(v[2 * t + 9], s) << 16);
+            o.x = dfk_split_part(v[2 * t], s) | (dfk_split_part(v[2 * t + 1], s) << 16);
+            o.y = dfk_split_part(v[2 * t + 8], s) | (dfk_split_part(v[2 * t + 9], s) << 16);
             int lane_o = (gbase + s) * 4 + t;
             dst[((size_t)nt * (size_t)kbt + (size_t)(kb0 + kb)) * 32 + (size_t)lane_o] = o;
         }

@@ -19,7 +19,6 @@
  *
  * Compiled with --fmad=false (no FMA contraction), like cuda_kernels.cu.
  */
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -37,17 +36,6 @@ static __device__ __forceinline__ float q_h16(uint32_t h, int bf16) {
     return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
 }
 
-
-/* Part s (0 = hi, 1 = mid, 2 = lo) of the exact three-way bf16 split of x, as bits (the
- * operands of the bf16 tensor-core linear: dfk_prep's split, the same operations). */
-static __device__ __forceinline__ uint32_t q_split_part(float x, int s) {
-    const __nv_bfloat16 hi = __float2bfloat16_rn(x);
-    const float r1 = x - __bfloat162float(hi);
-    const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
-    const float r2 = r1 - __bfloat162float(mid);
-    const __nv_bfloat16 lo = __float2bfloat16_rn(r2);
-    return (uint32_t)__bfloat16_as_ushort(s == 0 ? hi : (s == 1 ? mid : lo));
-}
 
 /* Programmatic dependent launch: wait for the previous kernel of the stream (its writes
  * visible), and let the next one be scheduled. No-ops when the launch had no PDL attribute.
@@ -324,8 +312,8 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
  * values v of row m, columns e0..e0+3 (e0 % 4 == 0): the values of a 16-column block are held
  * by four consecutive threads (columns 0-3, 4-7, 8-11, 12-15); a fragment word pair takes its
  * .x from columns 2t, 2t+1 and its .y from 2t+8, 2t+9, so the threads of columns 0-7 take
- * their partners' (two lanes up) words and store (act: this thread holds data). The split's
- * bits: those of dfk_prep. Every thread of the warp calls it. */
+ * their partners' (two lanes up) words and store (act: this thread holds data). The split:
+ * dfk_split_part, as dfk_prep's. Every thread of the warp calls it. */
 static __device__ __forceinline__ void q_bf16_frags(const float (&v)[4], int m, int cols, int e0, bool act,
                                                     uint32_t *xb) {
     const int q4 = (e0 >> 2) & 3, kb = e0 >> 4, kbt = cols >> 4;
@@ -334,7 +322,8 @@ static __device__ __forceinline__ void q_bf16_frags(const float (&v)[4], int m, 
     for (int sp = 0; sp < 3; sp++) {
         uint32_t w[2];
 #pragma unroll
-        for (int p = 0; p < 2; p++) w[p] = q_split_part(v[2 * p], sp) | (q_split_part(v[2 * p + 1], sp) << 16);
+        for (int p = 0; p < 2; p++)
+            w[p] = dfk_split_part(v[2 * p], sp) | (dfk_split_part(v[2 * p + 1], sp) << 16);
         const uint32_t y0 = __shfl_down_sync(QFULL, w[0], 2), y1 = __shfl_down_sync(QFULL, w[1], 2);
         if (act && q4 < 2) { /* a 16-column block's four threads are all active or none */
             const int lane_o = (3 * (m & 1) + sp) * 4 + 2 * q4;

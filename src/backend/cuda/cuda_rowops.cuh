@@ -3,6 +3,7 @@
 #ifndef DFLASH_CUDA_ROWOPS_CUH
 #define DFLASH_CUDA_ROWOPS_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 
@@ -31,6 +32,18 @@ static int dfk_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
 
 /* silu(x) = x / (1 + e^-x), float32. */
 static __device__ __forceinline__ float dfk_silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Part s (0 = hi, 1 = mid, 2 = lo) of the exact three-way bf16 split of x (x = hi + mid + lo),
+ * as bits: the B operands of the bf16 tensor-core linear, written by dfk_prep and dfk_qprep
+ * with these same operations. */
+static __device__ __forceinline__ uint32_t dfk_split_part(float x, int s) {
+    const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+    const float r1 = x - __bfloat162float(hi);
+    const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+    const float r2 = r1 - __bfloat162float(mid);
+    const __nv_bfloat16 lo = __float2bfloat16_rn(r2);
+    return (uint32_t)__bfloat16_as_ushort(s == 0 ? hi : (s == 1 ? mid : lo));
+}
 
 /* Σ v_i² over a row of `cols` floats, v = up ? silu(x)·up : x, for a block of 256 threads (every
  * thread gets the result). Order: thread tid adds v_i² for i = tid, tid + 256, ... in order
