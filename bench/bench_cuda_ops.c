@@ -1,16 +1,19 @@
 /* bench_cuda_ops: time of single CUDA backend ops at 27B shapes, against the bytes they must
  * move (needs a GPU; prints a message and exits 0 without one).
  *
- *   bench_cuda_ops [--iters N] [--quant-only] [--shape NAME] [--block]
+ *   bench_cuda_ops [--iters N] [--quant-only] [--shape NAME] [--block] [--attention]
  *
  * Linear (2-bit, group 128, Hadamard 1024) for the target's shapes at M = 1, 2, 4, 8, 16 rows:
  * microseconds per call and weight bytes / time; dense bf16 (drafter) at M = 8, 16; attention
- * (24/4 heads x 256) at contexts 1024 and 32768 for M = 1, 4 and 16; Gated DeltaNet (48 heads
- * 128 x 128) for M = 1, 4 and 16. --quant-only: the 2-bit linears only;
- * --shape NAME: the linears whose name contains NAME. --block: one MLP block and the next
- * layer's input projections as the model runs them (RMSNorm + gate/up, SwiGLU + down + residual,
- * RMSNorm + in_proj_qkv/z) at M = 1, repeated: microseconds per block against its weight bytes. Environment variables of the backend (DFLASH_CUDA_KW,
- * DFLASH_CUDA_TARGET_CTAS, DFLASH_CUDA_LINEAR) apply, for experiments. */
+ * (the q/k preparation, the chunks and their merge; graphs replayed) of the target (24/4 heads
+ * x 256) at contexts 1024 and 32768 for M = 1, 4 and 16 and of the drafter (32/8 x 128, a block
+ * over its context) at 1024 for M = 4, 8 and 16; Gated DeltaNet (48 heads 128 x 128) for M = 1,
+ * 4 and 16. --quant-only: the 2-bit linears only; --attention: attention only; --shape NAME: the
+ * linears whose name contains NAME. --block: one MLP block and the next layer's input
+ * projections as the model runs them (RMSNorm + gate/up, SwiGLU + down + residual, RMSNorm +
+ * in_proj_qkv/z) at M = 1, repeated: microseconds per block against its weight bytes.
+ * Environment variables of the backend (DFLASH_CUDA_KW, DFLASH_CUDA_TARGET_CTAS, DFLASH_CUDA_LINEAR,
+ * DFLASH_CUDA_ATTN_CHUNK, DFLASH_CUDA_ATTN_DIAG) apply, for experiments. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,12 +140,13 @@ static void bench_block(df_backend *be, int iters, double bw) {
 }
 
 int main(int argc, char **argv) {
-    int iters = 50, quant_only = 0, block = 0;
+    int iters = 50, quant_only = 0, block = 0, attn_only = 0;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quant-only")) quant_only = 1;
         else if (!strcmp(argv[i], "--block")) block = 1;
+        else if (!strcmp(argv[i], "--attention")) attn_only = 1;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
     }
     df_error err = {0};
@@ -176,7 +180,7 @@ int main(int argc, char **argv) {
     float *dy = be->ops->alloc(be, (size_t)16 * 248320 * 4);
     printf("linear: us per call (GB/s of weight bytes) for M = 1 2 4 8 16\n");
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
-        if ((quant_only && shapes[k].quant != 1) || (only && !strstr(shapes[k].name, only))) continue;
+        if (attn_only || (quant_only && shapes[k].quant != 1) || (only && !strstr(shapes[k].name, only))) continue;
         wset q;
         make(&q, shapes[k].rows, shapes[k].cols, shapes[k].quant);
         be->ops->linear(be, &q.L, dx, 1, dy); /* upload */
@@ -205,35 +209,55 @@ int main(int argc, char **argv) {
         be->ops->destroy(be);
         return 0;
     }
-    /* attention */
-    const df_attn_shape sh = {.n_heads = 24, .n_kv_heads = 4, .head_dim = 256, .rot_dims = 64,
-                              .mrope_section = {11, 11, 10}, .rope_theta = 1e7f, .eps = 1e-6f, .gated = 1, .causal = 1};
-    const int ctxs[] = {1024, 32768};
+    /* attention: the target's (24/4 heads x 256, causal) at contexts 1024 and 32768, the
+     * drafter's (32/8 x 128, a block over its context) at 1024 */
+    const df_attn_shape tsh = {.n_heads = 24, .n_kv_heads = 4, .head_dim = 256, .rot_dims = 64,
+                               .mrope_section = {11, 11, 10}, .rope_theta = 1e7f, .eps = 1e-6f, .gated = 1,
+                               .causal = 1};
+    df_attn_shape dsh = tsh;
+    dsh.n_heads = 32, dsh.n_kv_heads = 8, dsh.head_dim = 128, dsh.rot_dims = 128, dsh.gated = 0, dsh.causal = 0;
+    const struct {
+        const char *name;
+        const df_attn_shape *sh;
+        int ctx, Ms[3];
+    } acases[] = {{"attention", &tsh, 1024, {1, 4, 16}},
+                  {"attention", &tsh, 32768, {1, 4, 16}},
+                  {"drafter attention", &dsh, 1024, {4, 8, 16}}};
     float *qn = malloc(256 * 4);
     for (int i = 0; i < 256; i++) qn[i] = 1.0f;
-    for (int c = 0; c < 2; c++) {
-        size_t kvb = (size_t)(ctxs[c] + 16) * 4 * 256 * 4;
+    for (size_t c = 0; c < sizeof acases / sizeof acases[0]; c++) {
+        const df_attn_shape *sh = acases[c].sh;
+        const int ctx = acases[c].ctx, kd = sh->n_kv_heads * sh->head_dim;
+        const size_t kvb = (size_t)(ctx + 16) * (size_t)kd * 4;
         float *kc = be->ops->alloc(be, kvb), *vc = be->ops->alloc(be, kvb);
         float *q = be->ops->alloc(be, (size_t)16 * 24 * 512 * 4), *kk = be->ops->alloc(be, (size_t)16 * 1024 * 4);
         float *out = be->ops->alloc(be, (size_t)16 * 24 * 256 * 4);
         int32_t pos[16];
-        for (int m = 0; m < 16; m++) pos[m] = ctxs[c] + m;
-        const int Ms[] = {1, 4, 16};
+        for (int m = 0; m < 16; m++) pos[m] = ctx + m;
         for (int mi = 0; mi < 3; mi++) {
-            be->ops->attention(be, &sh, q, kk, kk, qn, qn, pos, Ms[mi], kc, vc, ctxs[c], out);
-            df_backend_cuda_sync(be);
-            double t0 = df_now_ms();
-            for (int i = 0; i < iters; i++) be->ops->attention(be, &sh, q, kk, kk, qn, qn, pos, Ms[mi], kc, vc, ctxs[c], out);
-            df_backend_cuda_sync(be);
-            double us = (df_now_ms() - t0) * 1000.0 / iters;
-            printf("attention ctx %5d M %2d: %8.1f us (KV %.0f MB: %.0f GB/s)\n", ctxs[c], Ms[mi], us,
-                   2.0 * (double)ctxs[c] * 4 * 256 * 4 / 1e6, 2.0 * (double)ctxs[c] * 4 * 256 * 4 / (us * 1e3));
+            const int M = acases[c].Ms[mi];
+            double us = 0;
+            for (int rep = 0; rep < 3; rep++) { /* the third run replays the step's captured graph */
+                double t0 = df_now_ms();
+                for (int i = 0; i < iters; i++) be->ops->attention(be, sh, q, kk, kk, qn, qn, pos, M, kc, vc, ctx, out);
+                df_backend_cuda_sync(be);
+                us = (df_now_ms() - t0) * 1000.0 / iters;
+            }
+            const double mb = 2.0 * (double)ctx * (double)kd * 4 / 1e6;
+            printf("%s ctx %5d M %2d: %8.1f us (KV %.0f MB: %.0f GB/s)\n", acases[c].name, ctx, M, us, mb,
+                   mb * 1e3 / us);
         }
         be->ops->dealloc(be, kc);
         be->ops->dealloc(be, vc);
         be->ops->dealloc(be, q);
         be->ops->dealloc(be, kk);
         be->ops->dealloc(be, out);
+    }
+    if (attn_only) {
+        if (be->failed) printf("CUDA backend error: %s\n", df_backend_cuda_last_error(be));
+        free(x);
+        be->ops->destroy(be);
+        return 0;
     }
     /* GDN */
     const df_gdn_shape gs = {.n_k_heads = 16, .n_v_heads = 48, .k_head_dim = 128, .v_head_dim = 128, .conv_kernel = 4,

@@ -155,6 +155,14 @@ for s in $STEPS; do
           --synthetic-acceptance 4.5 --no-verify-curve ${SPEC_ARGS:-} 2>&1 | grep -E "plain decode|synthetic|per round|drafter pass" | tee -a "$OUT/summary.txt"
       done
     done ;;
+  attn)
+    # attention alone (bench_cuda_ops --attention) under AVARIANTS, alternating AB_ROUNDS times
+    for r in $(seq 1 ${AB_ROUNDS:-2}); do
+      for v in ${AVARIANTS:-X=1 DFLASH_CUDA_ATTN_CHUNK=64}; do
+        echo "-- $v round $r" | tee -a "$OUT/summary.txt"
+        env ${v//,/ } timeout 100 "$BIN/bench_cuda_ops" --attention --iters 30 2>&1 | grep -E "attention|error" | tee -a "$OUT/summary.txt"
+      done
+    done ;;
   dtrace)
     # drafter passes of block DTRACE_BLOCK (default 8) traced, the baseline binary and this one:
     # the by-kernel summary of the last steps (a verify step, then a drafter step, alternating)
@@ -167,12 +175,12 @@ for s in $STEPS; do
       rm -f /tmp/trace.bin
     done ;;
   ncuattn)
-    # ncu on the first per-row attention launch of bench_cuda_ops (4 rows at context 1024)
+    # ncu on the first attention launch of bench_cuda_ops --attention (1 row at context 1024)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    timeout 240 "$NCU" --clock-control none --kernel-name regex:${NCU_KERNELS:-k_attn_part} --launch-skip ${NCU_SKIP:-0} --launch-count 1 \
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:${NCU_KERNELS:-k_attn_tile} --launch-skip ${NCU_SKIP:-0} --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      "$BIN/bench_cuda_ops" --iters 2 > "$OUT/ncuattn.log" 2>&1
-    grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncuattn.log" | grep -A150 "${NCU_KERNELS:-k_attn_part}" | head -150 | tee -a "$OUT/summary.txt" ;;
+      "$BIN/bench_cuda_ops" --attention --iters 2 > "$OUT/ncuattn.log" 2>&1
+    grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncuattn.log" | grep -A150 "${NCU_KERNELS:-k_attn_tile}" | head -150 | tee -a "$OUT/summary.txt" ;;
   spectrace)
     # the kernel timeline of speculative rounds (τ = 2.7, block 4): steps split at k_embed, so a
     # verify pass (with the settle and the drafter's context after it), then a drafter pass

@@ -528,12 +528,13 @@ static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *ar
         return;
     }
     cmd *c = &cb->cmds[cb->n_cmds++];
-    memset(c, 0, sizeof *c);
     c->fn = fn;
     c->what = what;
     c->size = (size + 7) / 8 * 8;
     memcpy(c->args, args, size);
-    cb->sig_hash = fnv(cb->sig_hash, c, offsetof(cmd, args) + c->size);
+    memset(c->args + size, 0, c->size - size); /* bytes past c->size are never read */
+    /* the step's key: a filter only (a hit is confirmed by cmds_equal), so the first bytes do */
+    cb->sig_hash = fnv(cb->sig_hash, c, offsetof(cmd, args) + (c->size < 128 ? c->size : 128));
 }
 
 /* Room for n parameter ints in this step: their offset (the step runs first when full). */
@@ -542,6 +543,15 @@ static size_t params(cuda_backend *cb, size_t n) {
     size_t off = cb->n_params;
     cb->n_params += n;
     return off;
+}
+
+/* 1 when the n commands a and b are the same (launchers and the used bytes of their arguments). */
+static int cmds_equal(const cmd *a, const cmd *b, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (a[i].fn != b[i].fn || a[i].what != b[i].what || a[i].size != b[i].size ||
+            memcmp(a[i].args, b[i].args, a[i].size) != 0)
+            return 0;
+    return 1;
 }
 
 static void graph_free(gentry *g) {
@@ -590,7 +600,7 @@ static void step_run(cuda_backend *cb) {
             for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) {
                 gentry *g = &cb->graphs[i];
                 if (g->sig && g->hash == key && g->n_cmds == cb->n_cmds && g->n_params == cb->n_params &&
-                    g->n_stage == cb->n_stage && memcmp(g->sig, cb->cmds, cb->n_cmds * sizeof(cmd)) == 0) {
+                    g->n_stage == cb->n_stage && cmds_equal(g->sig, cb->cmds, cb->n_cmds)) {
                     hit = g;
                     break;
                 }
@@ -1466,10 +1476,15 @@ static void cu_attention(df_backend *be, const df_attn_shape *sh, float *q, floa
     cuda_backend *cb = cub(be);
     a_attn a;
     if (!attn_prep(cb, sh, q, k, v, q_norm, k_norm, positions, M, k_cache, v_cache, pos0, &a)) return;
-    /* chunk bound rounded up to a power of two (>= 8): steps at nearby positions share a graph */
+    /* chunk bound rounded up so that steps at nearby positions share a graph: to a power of two
+     * (>= 8) up to 128 chunks, beyond to k·2^j with 8 <= k < 16 (at most 1/8 above the need:
+     * the parts' scratch of long contexts stays close to its need) */
     const int ch = dfk_attn_chunk(), need = (pos0 + M + ch - 1) / ch;
+    int unit = 1;
+    while (need > 16 * unit) unit *= 2;
     int nchunk = 8;
     while (nchunk < need) nchunk *= 2;
+    if (need > 128) nchunk = (need + unit - 1) / unit * unit;
     if (!scratch(cb, (void **)&cb->part, &cb->part_cap,
                  (size_t)M * (size_t)sh->n_heads * (size_t)nchunk * (size_t)(sh->head_dim + 2), sizeof(float)))
         return;
@@ -1824,14 +1839,12 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
     const char *gf = getenv("DFLASH_CUDA_GDN_FUSED");
     g_gdn_fused = !(gf && strcmp(gf, "0") == 0);
-    const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32, 64 (default), 128 positions per attention block */
+    const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32 (default) or 64 positions per attention block */
     if (ach) dfk_set_attn_chunk(atoi(ach));
+    const char *adg = getenv("DFLASH_CUDA_ATTN_DIAG"); /* timing experiments only (dfk_set_attn_diag) */
+    dfk_set_attn_diag(adg ? atoi(adg) : 0);
     const char *qg = getenv("DFLASH_CUDA_QGRID"); /* 0: the fewest CTAs with equal units (dfk_set_q_full_grid) */
     dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
-    const char *ast = getenv("DFLASH_CUDA_ATTN_STAGED"); /* rows per call staged at most (the same bits) */
-    dfk_set_attn_staged(ast ? atoi(ast) : 1);
-    const char *aar = getenv("DFLASH_CUDA_ATTN_GROUP"); /* rows per staged block, 1..4 (the same bits) */
-    dfk_set_attn_group(aar ? atoi(aar) : 1);
     const char *qst = getenv("DFLASH_CUDA_QSTAGE"); /* k_lin_qb's ring shape (dfk_set_q_stage) */
     dfk_set_q_stage(qst ? atoi(qst) : 0);
     const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
@@ -1891,10 +1904,7 @@ static void gdn_fused_apply(int on) { g_gdn_fused = on ? 1 : 0; }
 
 void df_backend_cuda_set_gdn_fused(df_backend *be, int on) { set_between_steps(be, gdn_fused_apply, on); }
 
-void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows) {
-    set_between_steps(be, dfk_set_attn_staged, max_rows);
-}
-void df_backend_cuda_set_attn_group(df_backend *be, int rows) { set_between_steps(be, dfk_set_attn_group, rows); }
+void df_backend_cuda_set_attn_chunk(df_backend *be, int chunk) { set_between_steps(be, dfk_set_attn_chunk, chunk); }
 
 void df_backend_cuda_sync(df_backend *be) {
     step_run(cub(be));

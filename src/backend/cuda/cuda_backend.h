@@ -20,8 +20,9 @@
  * (the ring kernel's grid), DFLASH_CUDA_QPERSIST=1 (the register kernel on a persistent grid),
  * DFLASH_CUDA_KW / DFLASH_CUDA_KW_MAX / DFLASH_CUDA_TARGET_CTAS (work split), DFLASH_CUDA_QGRID=0 (the ring kernel on
  * the fewest CTAs with equal units instead of every CTA the device holds),
- * DFLASH_CUDA_ATTN_STAGED=N (attention chunks staged in shared memory for calls of up to N rows;
- * default 1), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs), DFLASH_CUDA_TRACE=FILE (a timeline of the
+ * DFLASH_CUDA_ATTN_CHUNK=64 (attention chunks of 64 positions instead of 32: other bits, the same
+ * for every M), DFLASH_CUDA_ATTN_DIAG=1|2 (timing experiments, wrong outputs: the attention
+ * chunks' copies alone, or their arithmetic alone), DFLASH_CUDA_GRAPHS=0 (no CUDA graphs), DFLASH_CUDA_TRACE=FILE (a timeline of the
  * kernels of the last steps, written to FILE when the backend is destroyed: cuda_trace.cuh,
  * tools/trace_report.py).
  *
@@ -69,13 +70,9 @@ void df_backend_cuda_sync(df_backend *be);
  * The same bits either way (tests compare them); process-wide, set between steps. */
 void df_backend_cuda_set_gdn_fused(df_backend *be, int on);
 
-/* Attention calls of at most max_rows rows (default 1, DFLASH_CUDA_ATTN_STAGED=N; 0: none) stage
- * each chunk in shared memory, once per group of DFLASH_CUDA_ATTN_GROUP rows (1..4, default 1),
- * which run over it together; others read it per row through L2. The same bits either way
- * (tests compare them); process-wide, set between steps. */
-void df_backend_cuda_set_attn_staged(df_backend *be, int max_rows);
-/* Rows per staged attention block (1..4; DFLASH_CUDA_ATTN_GROUP): see above. */
-void df_backend_cuda_set_attn_group(df_backend *be, int rows);
+/* The attention chunk, 32 (default) or 64 positions (DFLASH_CUDA_ATTN_CHUNK): part of the
+ * arithmetic, the same for every M. Process-wide; set between steps (tests compare both). */
+void df_backend_cuda_set_attn_chunk(df_backend *be, int chunk);
 
 /* Measures device-to-device copy bandwidth with a `bytes` buffer (read + written bytes per
  * second, GB/s). Errors: DF_ERR_NOMEM, DF_ERR_INTERNAL. */

@@ -1205,300 +1205,243 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
                     positions, k_cache, v_cache);
 }
 
-/* Attention over the KV cache in chunks: part[m, h, c] = (o[0..hd), max, sum) of query head h
- * of row m over chunk c (positions c·chunk .. ), then k_attn_combine merges the chunks. Per head
- * of a KV group: scores (a warp per position, four positions at a time: lanes over d in a fixed
- * order + xor tree), chunk max and exp-sum (fixed trees), unnormalised output
- * o[d] = Σ_t p_t v_t[d] in position order. Two kernels compute it with the same arithmetic
- * (attn_chunk_row, attn_chunk_rows), so the same bits: k_attn_part, a block per (row, chunk, KV
- * head) reading K and V through L2; k_attn_staged, a block per (chunk, KV head, group of up to
- * ATTN_AR rows) that copies the chunk's K and V rows into shared memory once (a bulk copy per row,
- * all in flight together) and runs the group's rows over them together. On the H200
- * (docs/PERFORMANCE.md) the staged kernel halves a decode step's attention (18.5 against 35 us
- * per layer at 1k context), but from 2 rows on the per-row blocks are faster (they spread over
- * the SMs; groups of 1, 2 or 4 rows measured slower too): calls of one row run it by default. */
+/* ---- attention --------------------------------------------------------------------------------
+ *
+ * Attention over the KV cache in chunks of g_attn_chunk positions: part[m, h, c] = (o[0..hd),
+ * max, sum) of query head h of row m over chunk c, computed by k_attn_tile, then k_attn_combine
+ * merges a row's chunks. The chunk is part of the arithmetic, the same for every row and every
+ * M (set once per process), so never of batch invariance. */
 #define ATTN_MAX_G 16
-static int g_attn_chunk = 64; /* measured best at 1k context, within 8% of 128 at 32k (PERFORMANCE.md) */
+static int g_attn_chunk = 32; /* measured best at 1k context (docs/PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
-    if (chunk == 32 || chunk == 64 || chunk == DFK_ATTN_CHUNK) g_attn_chunk = chunk;
+    if (chunk == 32 || chunk == 64) g_attn_chunk = chunk;
 }
 extern "C" int dfk_attn_chunk(void) { return g_attn_chunk; }
-/* k_attn_staged's dynamic shared memory at most (with its static scratch: within the 227 KiB of
- * an H200 SM); larger chunks run k_attn_part */
-#define ATTN_STAGED_MAX (200 * 1024)
-static int g_attn_staged = 1; /* calls of at most this many rows run k_attn_staged */
-extern "C" void dfk_set_attn_staged(int max_rows) { g_attn_staged = max_rows > 0 ? max_rows : 0; }
 
-/* K/V element i of a chunk base: from shared memory (SM) or through L2. */
-template <bool SM>
-static __device__ __forceinline__ float attn_ld(const float *base, size_t i) {
-    if constexpr (SM) return base[i];
-    else return __ldcg(base + i);
+/* k_attn_tile: a block of ATTN_THREADS per (group of rows: up to ATTN_QM query heads of one KV
+ * head, that is rg = ATTN_QM / G rows; chunk of CH positions; KV head). The chunk's K and V rows
+ * are copied into shared memory once (a bulk copy per row, all in flight together), the group's
+ * q while they are in flight. Arithmetic per query head of a row (the same wherever and with
+ * whatever rows it runs, so each row's bits are those of a one-row call):
+ *   scores: the head dimension in DP = 256 / CH parts of DT = hd / DP dims; a thread per (part p,
+ *     position t) holds K[t][p·DT ..] in registers, s_p = Σ_d q[d]·K[t][d] over its dims in
+ *     ascending order (fused multiply-adds), s = ((s_0 + s_1) + ...) + s_{DP−1}, times scale
+ *     (the block's two halves take alternate groups of four query heads);
+ *   softmax over the chunk: a warp per query head, lane l holding positions l, l + 32, ...
+ *     (masked beyond the row's positions: −inf / 0), max and exp-sum by xor trees;
+ *   outputs: o[d] = Σ_t p_t·V[t][d] in ascending t (fused multiply-adds), a thread per (d, head
+ *     slot) (attn_pv_pass).
+ * Two blocks fit an SM at CH = 32 with head_dim 256 (99 KB of shared memory, 64 registers), one
+ * at CH = 64. */
+#define ATTN_QM 16 /* query heads per k_attn_tile block */
+/* Timing experiments only (DFLASH_CUDA_ATTN_DIAG; wrong outputs): 1 = k_attn_tile copies the
+ * chunk and stops; 2 = it computes over whatever shared memory holds, without the copies. */
+static int g_attn_diag = 0;
+extern "C" void dfk_set_attn_diag(int v) { g_attn_diag = v; }
+
+/* Dynamic shared memory of k_attn_tile (floats): K rows (stride hd + 4: the score loads of a
+ * warp's 32 positions fall in distinct banks), V rows, the group's q (stride hd + 4), the
+ * partial scores [DP][ATTN_QM][CH] (their first part becomes the exponentials). */
+static size_t attn_tile_smem(int ch, int hd) {
+    const size_t dp = (size_t)(256 / ch);
+    return ((size_t)ch * (size_t)(hd + 4) + (size_t)ch * (size_t)hd + (size_t)ATTN_QM * (size_t)(hd + 4) +
+            dp * ATTN_QM * (size_t)ch) *
+           4;
 }
 
-/* The pieces of a row's part over a chunk, shared by both kernels (the same operations in the
- * same order wherever they run):
- *
- * attn_scores: the scores of positions tt0 = w, w + 4·nwg, ... (four at a time: tt0 + p·nwg) of
- * a chunk of n positions, by warp w of a group of nwg warps: per position and head gi < G, lanes
- * over d in order (lane, lane + 32, ...), an xor tree, times scale, into sc[gi·scs + tt]. KU: the
- * d loop's unrolling (loads in flight; not the order). */
-template <int GM, bool SM, int KU>
-static __device__ __forceinline__ void attn_scores(const float *sq, const float *kb, size_t kvs, int n, int G, int hd,
-                                                   float scale, float *sc, size_t scs, int w, int nwg) {
-    const int lane = threadIdx.x & 31;
-    for (int tt0 = w; tt0 < n; tt0 += nwg * 4) {
-        float acc[4][GM];
+/* Outputs of NK heads of a row at dim d: o_j = Σ_{t<n} p_j[t]·V[t][d] in ascending t (fused
+ * multiply-adds), p_j = pe + j·ps (exponentials in shared memory, 16-byte aligned), V rows at
+ * sv + t·hd; o_j stored at po + j·os. */
+template <int NK>
+static __device__ __forceinline__ void attn_pv_pass(const float *pe, int ps, const float *sv, int hd, int d, int n,
+                                                    float *po, size_t os) {
+    float acc[NK];
 #pragma unroll
-        for (int p = 0; p < 4; p++)
+    for (int j = 0; j < NK; j++) acc[j] = 0.0f;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float v0 = sv[t * hd + d], v1 = sv[(t + 1) * hd + d], v2 = sv[(t + 2) * hd + d], v3 = sv[(t + 3) * hd + d];
 #pragma unroll
-            for (int gi = 0; gi < GM; gi++) acc[p][gi] = 0.0f;
-#pragma unroll(KU)
-        for (int d = lane; d < hd; d += 32) {
-            float kv[4];
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const int tt = tt0 + p * nwg;
-                kv[p] = tt < n ? attn_ld<SM>(kb, (size_t)tt * kvs + (size_t)d) : 0.0f;
-            }
-#pragma unroll
-            for (int gi = 0; gi < GM; gi++) {
-                if (gi >= G) break;
-                const float qd = sq[gi * hd + d];
-#pragma unroll
-                for (int p = 0; p < 4; p++) acc[p][gi] = acc[p][gi] + qd * kv[p];
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const int tt = tt0 + p * nwg;
-#pragma unroll
-            for (int gi = 0; gi < GM; gi++) {
-                if (gi >= G) break;
-                float v = warp_sum(acc[p][gi]);
-                if (lane == 0 && tt < n) sc[(size_t)gi * scs + (size_t)tt] = v * scale;
-            }
+        for (int j = 0; j < NK; j++) {
+            const float4 pp = *reinterpret_cast<const float4 *>(pe + j * ps + t);
+            acc[j] = __fmaf_rn(pp.x, v0, acc[j]);
+            acc[j] = __fmaf_rn(pp.y, v1, acc[j]);
+            acc[j] = __fmaf_rn(pp.z, v2, acc[j]);
+            acc[j] = __fmaf_rn(pp.w, v3, acc[j]);
         }
     }
-}
-
-/* attn_softmax: one head's max and exp-sum over its scores sr[0..n), by one warp (lanes over
- * positions in order, then xor trees); the scores become their exponentials exp(s − max). */
-static __device__ __forceinline__ void attn_softmax(float *sr, int n, float &mx_out, float &sum_out) {
-    const int lane = threadIdx.x & 31;
-    float mx = -INFINITY;
-    for (int tt = lane; tt < n; tt += 32) mx = fmaxf(mx, sr[tt]);
-    for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
-    float acc = 0.0f;
-    for (int tt = lane; tt < n; tt += 32) {
-        float p = expf(sr[tt] - mx);
-        sr[tt] = p;
-        acc = acc + p;
-    }
-    mx_out = mx;
-    sum_out = warp_sum(acc);
-}
-
-/* attn_pv: output dim d of the G heads, o[gi] = Σ_t p[gi·scs + t]·v_t[d] in position order. VU:
- * the loop's unrolling (loads in flight; not the order). */
-template <int GM, bool SM, int VU>
-static __device__ __forceinline__ void attn_pv(const float *vb, size_t kvs, int n, int G, int d, const float *sc,
-                                               size_t scs, float (&o)[GM]) {
+    for (; t < n; t++) {
+        const float v = sv[t * hd + d];
 #pragma unroll
-    for (int gi = 0; gi < GM; gi++) o[gi] = 0.0f;
-#pragma unroll(VU)
-    for (int tt = 0; tt < n; tt++) {
-        const float vv = attn_ld<SM>(vb, (size_t)tt * kvs + (size_t)d);
+        for (int j = 0; j < NK; j++) acc[j] = __fmaf_rn(pe[j * ps + t], v, acc[j]);
+    }
 #pragma unroll
-        for (int gi = 0; gi < GM; gi++)
-            if (gi < G) o[gi] = o[gi] + sc[(size_t)gi * scs + (size_t)tt] * vv;
-    }
+    for (int j = 0; j < NK; j++) po[(size_t)j * os] = acc[j];
 }
 
-/* One row's part over one chunk of n positions (the block's 256 threads): sq = the G heads' q
- * [G·hd] in shared memory, K/V position t at kb/vb + t·kvs, sc/smx/ssum shared scratch; writes
- * part rows pr + gi·nchunk·(hd + 2) for gi < G; K and V through L2 (k_attn_part). DEEP: more loads
- * in flight. */
-template <int GM, bool DEEP>
-static __device__ __forceinline__ void attn_chunk_row(const float *sq, const float *kb, const float *vb, size_t kvs,
-                                                      int n, int G, int hd, float scale, float (*sc)[DFK_ATTN_CHUNK],
-                                                      float *smx, float *ssum, float *pr, size_t gstride) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    attn_scores<GM, false, DEEP ? 8 : 2>(sq, kb, kvs, n, G, hd, scale, &sc[0][0], DFK_ATTN_CHUNK, warp, nw);
-    __syncthreads();
-    for (int gi = warp; gi < G; gi += nw) { /* a warp per head */
-        float mx, sum;
-        attn_softmax(sc[gi], n, mx, sum);
-        if (lane == 0) {
-            smx[gi] = mx;
-            ssum[gi] = sum;
-        }
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o[GM];
-        attn_pv<GM, false, DEEP ? 32 : 16>(vb, kvs, n, G, d, &sc[0][0], DFK_ATTN_CHUNK, o);
-#pragma unroll
-        for (int gi = 0; gi < GM; gi++) {
-            if (gi >= G) break;
-            pr[(size_t)gi * gstride + (size_t)d] = o[gi];
-        }
-    }
-    if ((int)threadIdx.x < G) {
-        pr[(size_t)threadIdx.x * gstride + (size_t)hd] = smx[threadIdx.x];
-        pr[(size_t)threadIdx.x * gstride + (size_t)hd + 1] = ssum[threadIdx.x];
-    }
-}
-
-/* Row m's q for the G heads of KV head kvh into sq (then a block barrier). */
-static __device__ __forceinline__ void attn_load_q(const float *q, int qstride, int nh, int G, int hd, int kvh, int m,
-                                                   float *sq) {
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
-        const int gi = i / hd, d = i % hd;
-        sq[i] = __ldcg(&q[((size_t)m * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
-    }
-    __syncthreads();
-}
-
-/* DEEP: more loads of K and V in flight per thread (unrolled further, more registers), for calls
- * of few blocks, which wait on latency; many blocks (long contexts) run better at the higher
- * occupancy of the shallow form. The same operations in the same order either way. */
-template <int GM, bool DEEP>
-__global__ void __launch_bounds__(256) k_attn_part(const float *q, int qstride, int nh, int nkv, int hd,
-                                                   const float *k_cache, const float *v_cache, float scale, int causal,
-                                                   const int32_t *pos0p, int M, int nchunk, int chunk,
-                                                   float *part) {
-    k_pdl_begin();
+#define ATTN_THREADS 512
+template <int CH, int DT>
+__global__ void __launch_bounds__(ATTN_THREADS, CH == 32 ? 2 : 1)
+    k_attn_tile(const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache, const float *v_cache,
+                float scale, int causal, const int32_t *pos0p, int M, int nchunk, int rg, float *part, int diag) {
+    constexpr int DP = 256 / CH; /* score parts */
+    /* pos0 lies in the step's parameter block, copied before the step's first kernel: read
+     * before waiting for the previous kernel, so that blocks past the rows exit at once and the
+     * others have their barrier ready when the inputs are */
     const int pos0 = __ldcg(pos0p);
-    __shared__ float sq[4096];
-    __shared__ float sc[GM][DFK_ATTN_CHUNK];
-    __shared__ float smx[GM], ssum[GM];
-    const int m = blockIdx.x, c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
-    const int len = causal ? pos0 + m + 1 : pos0 + M;
-    const int t0 = c * chunk;
-    if (t0 >= len) return;
-    const int t1 = len < t0 + chunk ? len : t0 + chunk, n = t1 - t0;
-    attn_load_q(q, qstride, nh, G, hd, kvh, m, sq);
+    extern __shared__ __align__(16) float ast[];
+    __shared__ float smx[ATTN_QM], ssum[ATTN_QM];
+    __shared__ int sn[ATTN_QM];
+    __shared__ __align__(8) uint64_t kv_bar;
+    const int c = blockIdx.y, kvh = blockIdx.z, G = nh / nkv;
+    const int m0 = (int)blockIdx.x * rg, nr = M - m0 < rg ? M - m0 : rg, nq = nr * G;
+    const int t0 = c * CH, lmax = causal ? pos0 + m0 + nr : pos0 + M; /* the group's longest row */
+    if (t0 >= lmax) return;
+    const int nmax = (lmax < t0 + CH ? lmax : t0 + CH) - t0, kst = hd + 4;
+    float *sk = ast, *sv = sk + CH * kst, *sq = sv + CH * hd, *sp = sq + ATTN_QM * kst;
     const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
-    float *pr = part + (((size_t)m * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
-    attn_chunk_row<GM, DEEP>(sq, k_cache + off, v_cache + off, kstride, n, G, hd, scale, sc, smx, ssum, pr,
-                                    (size_t)nchunk * (size_t)(hd + 2));
-}
-
-/* Rows of one k_attn_staged block at most: a group of rows runs over the staged chunk together
- * (the warps split among them); more rows take more groups (blocks), each staging the chunk.
- * The group size is g_attn_ar (dfk_set_attn_group; the same bits for any). */
-#define ATTN_AR 4
-static int g_attn_ar = 1;
-extern "C" void dfk_set_attn_group(int rows) { g_attn_ar = rows >= 1 && rows <= ATTN_AR ? rows : 1; }
-
-/* The rows r < nr of a row group over one chunk staged in shared memory, together (the block's
- * threads): sq [nr][G·hd] their q, K/V position t at kb/vb + t·hd, sn[r] row r's positions in
- * the chunk (0: none), sc [nr·G][chunk], smx/ssum [nr·G] shared scratch; row r's part rows at
- * pr0 + r·rstride + gi·gstride. The warps split into nr groups, one per row, each running
- * attn_scores over its row's positions; then a warp per (row, head) for attn_softmax; then
- * attn_pv, the rows over the threads where hd leaves threads free. The pieces are
- * attn_chunk_row's, so every row's bits are attn_chunk_row's. */
-template <int GM>
-static __device__ __forceinline__ void attn_chunk_rows(const float *sq, const float *kb, const float *vb, int nr,
-                                                       const int *sn, int G, int hd, int chunk, float scale, float *sc,
-                                                       float *smx, float *ssum, float *pr0, size_t rstride,
-                                                       size_t gstride) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int wpr = nw / nr, r = warp / wpr; /* nr <= ATTN_AR <= nw */
-    if (r < nr)
-        attn_scores<GM, true, 2>(sq + (size_t)r * (size_t)(G * hd), kb, (size_t)hd, sn[r], G, hd, scale,
-                                 sc + (size_t)r * (size_t)G * (size_t)chunk, (size_t)chunk, warp % wpr, wpr);
+    const uint32_t bar = (uint32_t)__cvta_generic_to_shared(&kv_bar);
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1u);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_expect(bar, diag == 2 ? 0u : (unsigned)(2 * nmax * hd * 4));
+    }
+    if ((int)threadIdx.x < nr) {
+        const int r = threadIdx.x, len = causal ? pos0 + m0 + r + 1 : lmax;
+        sn[r] = t0 >= len ? 0 : (len < t0 + CH ? len : t0 + CH) - t0;
+    }
     __syncthreads();
-    for (int pg = warp; pg < nr * G; pg += nw) { /* a warp per (row, head) */
-        float mx, sum;
-        attn_softmax(sc + (size_t)pg * (size_t)chunk, sn[pg / G], mx, sum);
-        if (lane == 0) {
-            smx[pg] = mx;
-            ssum[pg] = sum;
+    k_pdl_begin(); /* the cache's new rows and q come from the previous kernel */
+    for (int i = threadIdx.x; i < 2 * nmax && diag != 2; i += blockDim.x) {
+        const int w = i >= nmax, t = w ? i - nmax : i;
+        bulk_copy((uint32_t)__cvta_generic_to_shared(w ? sv + t * hd : sk + t * kst),
+                  (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
+    }
+    { /* q while the copies are in flight: four floats per thread, hd / 4 threads per head */
+        const int h4 = hd >> 2, per = (int)blockDim.x / h4, d = ((int)threadIdx.x % h4) * 4;
+        for (int qi = (int)threadIdx.x / h4; qi < nq; qi += per) {
+            const int r = qi / G, gi = qi - r * G;
+            const float4 v = __ldcg(reinterpret_cast<const float4 *>(
+                q + ((size_t)(m0 + r) * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d));
+            *reinterpret_cast<float4 *>(sq + qi * kst + d) = v;
         }
     }
     __syncthreads();
-    /* outputs: thread (row slot, d); the rows a slot takes one after the other */
-    const int slots = (int)blockDim.x / hd > 0 ? (int)blockDim.x / hd : 1;
-    const int slot = (int)threadIdx.x / hd;
-    for (int rr = slot; rr < nr && slot < slots; rr += slots) {
-        if (sn[rr] == 0) continue;
-        for (int d = (int)threadIdx.x % hd; d < hd; d += slots > 1 ? hd : (int)blockDim.x) {
-            float o[GM];
-            attn_pv<GM, true, 16>(vb, (size_t)hd, sn[rr], G, d, sc + (size_t)rr * (size_t)G * (size_t)chunk,
-                                  (size_t)chunk, o);
-            float *pr = pr0 + (size_t)rr * rstride;
+    mbar_wait(bar, 0u);
+    if (diag == 1) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    { /* partial scores of thread (part p, position t): the 256-thread halves of the block take
+       * alternate groups of four query heads */
+        const int half = warp >> 3, p = (warp & 7) % DP, t = ((warp & 7) / DP) * 32 + lane;
+        float kr[DT];
+        const float *kp = sk + t * kst + p * DT;
 #pragma unroll
-            for (int gi = 0; gi < GM; gi++) {
-                if (gi >= G) break;
-                pr[(size_t)gi * gstride + (size_t)d] = o[gi];
+        for (int i = 0; i < DT; i += 4) {
+            const float4 v = *reinterpret_cast<const float4 *>(kp + i);
+            kr[i] = v.x, kr[i + 1] = v.y, kr[i + 2] = v.z, kr[i + 3] = v.w;
+        }
+        for (int q0 = 4 * half; q0 < nq; q0 += 8) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < DT; i += 4) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) { /* rows beyond nq: in bounds, never stored */
+                    const float4 qv = *reinterpret_cast<const float4 *>(sq + (q0 + j) * kst + p * DT + i);
+                    acc[j] = __fmaf_rn(qv.x, kr[i], acc[j]);
+                    acc[j] = __fmaf_rn(qv.y, kr[i + 1], acc[j]);
+                    acc[j] = __fmaf_rn(qv.z, kr[i + 2], acc[j]);
+                    acc[j] = __fmaf_rn(qv.w, kr[i + 3], acc[j]);
+                }
             }
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (q0 + j < nq) sp[(p * ATTN_QM + q0 + j) * CH + t] = acc[j];
         }
     }
-    for (int i = threadIdx.x; i < nr * G; i += blockDim.x) {
-        if (sn[i / G] == 0) continue;
-        float *pr = pr0 + (size_t)(i / G) * rstride + (size_t)(i % G) * gstride;
+    __syncthreads();
+    for (int qi = warp; qi < nq; qi += ATTN_THREADS / 32) { /* softmax: a warp per query head */
+        const int n = sn[qi / G];
+        float s[CH / 32], mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < CH / 32; j++) {
+            const int t = lane + 32 * j;
+            float v = sp[qi * CH + t];
+#pragma unroll
+            for (int p = 1; p < DP; p++) v = v + sp[(p * ATTN_QM + qi) * CH + t];
+            s[j] = t < n ? v * scale : -INFINITY;
+            mx = fmaxf(mx, s[j]);
+        }
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+        float l = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CH / 32; j++) {
+            const int t = lane + 32 * j;
+            const float e = t < n ? expf(s[j] - mx) : 0.0f;
+            sp[qi * CH + t] = e;
+            l = l + e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            smx[qi] = mx;
+            ssum[qi] = l;
+        }
+    }
+    __syncthreads();
+    /* outputs: thread (slot, d); a slot takes heads slot, slot + slots, ... of each row */
+    const int slots = (int)blockDim.x / hd, slot = (int)threadIdx.x / hd, d = (int)threadIdx.x - slot * hd;
+    const size_t gstride = (size_t)nchunk * (size_t)(hd + 2);
+    for (int r = 0; r < nr && slot < slots; r++) {
+        const int n = sn[r];
+        if (n == 0) continue;
+        float *pr = part + (((size_t)(m0 + r) * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) *
+                               (size_t)(hd + 2);
+        /* heads slot, slot + slots, ... in passes of up to four */
+        const int hps = (G - slot + slots - 1) / slots;
+        for (int k0 = 0; k0 < hps; k0 += 4) {
+            const int nk = hps - k0 < 4 ? hps - k0 : 4, g0 = slot + k0 * slots;
+            const float *pe = sp + (r * G + g0) * CH; /* head g0 + j·slots at pe + j·slots·CH */
+            float *po = pr + (size_t)g0 * gstride + (size_t)d;
+            if (nk == 4) attn_pv_pass<4>(pe, slots * CH, sv, hd, d, n, po, slots * gstride);
+            else if (nk == 3) attn_pv_pass<3>(pe, slots * CH, sv, hd, d, n, po, slots * gstride);
+            else if (nk == 2) attn_pv_pass<2>(pe, slots * CH, sv, hd, d, n, po, slots * gstride);
+            else attn_pv_pass<1>(pe, slots * CH, sv, hd, d, n, po, slots * gstride);
+        }
+    }
+    for (int i = threadIdx.x; i < nq; i += blockDim.x) {
+        const int r = i / G;
+        if (sn[r] == 0) continue;
+        float *pr = part + (((size_t)(m0 + r) * (size_t)nh + (size_t)(kvh * G + i - r * G)) * (size_t)nchunk +
+                            (size_t)c) *
+                               (size_t)(hd + 2);
         pr[hd] = smx[i];
         pr[hd + 1] = ssum[i];
     }
 }
 
-/* Dynamic shared memory of k_attn_staged: K and V rows of a chunk, then a row group's q, then
- * its scores (floats: 2·chunk·hd + ar·G·hd + ar·G·chunk for groups of ar rows). */
-static size_t attn_staged_smem(int chunk, int hd, int G, int ar) {
-    return ((size_t)2 * chunk * hd + (size_t)ar * G * hd + (size_t)ar * G * chunk) * 4;
-}
-
-/* A block per (chunk, KV head, group of ar <= ATTN_AR rows): the chunk's K and V rows copied into
- * shared memory once (a bulk copy per row, all in flight together), then the group's rows over
- * them together (attn_chunk_rows). */
-template <int GM>
-__global__ void __launch_bounds__(256) k_attn_staged(const float *q, int qstride, int nh, int nkv, int hd,
-                                                     const float *k_cache, const float *v_cache, float scale,
-                                                     int causal, const int32_t *pos0p, int M, int nchunk, int chunk,
-                                                     int ar, float *part) {
-    k_pdl_begin();
-    const int pos0 = __ldcg(pos0p);
-    extern __shared__ __align__(16) float ast[];
-    __shared__ float smx[ATTN_AR * GM], ssum[ATTN_AR * GM];
-    __shared__ int sn[ATTN_AR];
-    __shared__ __align__(8) uint64_t kv_bar;
-    const int c = blockIdx.x, kvh = blockIdx.y, G = nh / nkv;
-    const int m0 = (int)blockIdx.z * ar, nr = M - m0 < ar ? M - m0 : ar;
-    const int t0 = c * chunk, lmax = causal ? pos0 + m0 + nr : pos0 + M; /* the group's longest row */
-    if (t0 >= lmax) return;
-    const int nmax = (lmax < t0 + chunk ? lmax : t0 + chunk) - t0;
-    float *sk = ast, *sv = ast + (size_t)chunk * hd, *sq = ast + (size_t)2 * chunk * hd;
-    float *sc = sq + (size_t)ar * G * hd;
-    const size_t kstride = (size_t)nkv * (size_t)hd, off = (size_t)t0 * kstride + (size_t)kvh * (size_t)hd;
-    /* one bulk copy per K or V row (hd floats), all in flight at once, on one mbarrier */
-    const uint32_t bar = (uint32_t)__cvta_generic_to_shared(&kv_bar);
-    if (threadIdx.x == 0) {
-        mbar_init(bar, 1u);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbar_expect(bar, (unsigned)(2 * nmax * hd * 4));
+/* Launches k_attn_tile for head_dim hd (64, 128 or 256) at the chunk in use (32 or 64); -1 for
+ * other shapes. */
+static int attn_tile_launch(const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache,
+                            const float *v_cache, float scale, int causal, const int32_t *pos0, int M, int nchunk,
+                            float *part) {
+    typedef void (*tile_fn)(const float *, int, int, int, int, const float *, const float *, float, int,
+                            const int32_t *, int, int, int, float *, int);
+    const int ch = g_attn_chunk, hi = hd == 64 ? 0 : hd == 128 ? 1 : hd == 256 ? 2 : -1;
+    if (hi < 0 || (ch != 32 && ch != 64)) return -1;
+    static const tile_fn fns[2][3] = {{k_attn_tile<32, 8>, k_attn_tile<32, 16>, k_attn_tile<32, 32>},
+                                      {k_attn_tile<64, 16>, k_attn_tile<64, 32>, k_attn_tile<64, 64>}};
+    static int raised[2][3];
+    const tile_fn kern = fns[ch == 64][hi];
+    const size_t smem = attn_tile_smem(ch, hd);
+    if (!raised[ch == 64][hi]) {
+        const int st = (int)cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (st) return st;
+        raised[ch == 64][hi] = 1;
     }
-    if ((int)threadIdx.x < ATTN_AR) {
-        const int r = threadIdx.x, len = causal ? pos0 + m0 + r + 1 : lmax;
-        sn[r] = r >= nr || t0 >= len ? 0 : (len < t0 + chunk ? len : t0 + chunk) - t0;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 2 * nmax; i += blockDim.x) {
-        const int w = i >= nmax, t = w ? i - nmax : i;
-        bulk_copy((uint32_t)__cvta_generic_to_shared((w ? sv : sk) + (size_t)t * hd),
-                  (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
-    }
-    /* the group's q while the copies are in flight */
-    for (int i = threadIdx.x; i < nr * G * hd; i += blockDim.x) {
-        const int r = i / (G * hd), gi = (i / hd) % G, d = i % hd;
-        sq[i] = __ldcg(&q[((size_t)(m0 + r) * (size_t)nh + (size_t)(kvh * G + gi)) * (size_t)qstride + (size_t)d]);
-    }
-    __syncthreads();
-    mbar_wait(bar, 0u);
-    const size_t gstride = (size_t)nchunk * (size_t)(hd + 2);
-    float *pr0 = part + (((size_t)m0 * (size_t)nh + (size_t)(kvh * G)) * (size_t)nchunk + (size_t)c) * (size_t)(hd + 2);
-    attn_chunk_rows<GM>(sq, sk, sv, nr, sn, G, hd, chunk, scale, sc, smx, ssum, pr0, (size_t)nh * gstride, gstride);
+    const int G = nh / nkv, rg = G < ATTN_QM ? ATTN_QM / G : 1;
+    /* the groups of a chunk adjacent in launch order: the later ones read it from L2 */
+    dim3 grid((unsigned)((M + rg - 1) / rg), (unsigned)nchunk, (unsigned)nkv);
+    return launch_k(kern, grid, dim3(ATTN_THREADS), smem, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal,
+                    pos0, M, nchunk, rg, part, g_attn_diag);
 }
 
 /* One block per (head, row, 32 output dims): 256 threads = 8 chunk groups x 32 dims. The
@@ -1559,56 +1502,12 @@ __global__ void __launch_bounds__(256) k_attn_combine(const float *q, int qstrid
     }
 }
 
-/* k_attn_part for G query heads per KV head. */
-template <bool DEEP>
-static int attn_part_launch(int G, dim3 g1, const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache,
-                            const float *v_cache, float scale, int causal, const int32_t *pos0, int M, int nchunk,
-                            float *part) {
-    void (*kern)(const float *, int, int, int, int, const float *, const float *, float, int, const int32_t *, int,
-                 int, int, float *) = G <= 2   ? k_attn_part<2, DEEP>
-                                      : G <= 4 ? k_attn_part<4, DEEP>
-                                      : G <= 8 ? k_attn_part<8, DEEP>
-                                               : k_attn_part<16, DEEP>;
-    return launch_k(kern, g1, dim3(256), 0, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk,
-                    g_attn_chunk, part);
-}
-
 extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                              const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part,
                              float *out) {
     const float scale = 1.0f / sqrtf((float)hd);
-    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G || (nh / nkv) * hd > 4096) return -1;
-    const int G = nh / nkv;
-    int st;
-    const int ar = M < g_attn_ar ? M : g_attn_ar; /* rows per staged block */
-    const size_t ssm = attn_staged_smem(g_attn_chunk, hd, G, ar);
-    if (M <= g_attn_staged && hd % 4 == 0 && ssm <= ATTN_STAGED_MAX) {
-        dim3 g1((unsigned)nchunk, (unsigned)nkv, (unsigned)((M + ar - 1) / ar));
-        void (*kern)(const float *, int, int, int, int, const float *, const float *, float, int, const int32_t *, int,
-                     int, int, int, float *) = G <= 2   ? k_attn_staged<2>
-                                          : G <= 4 ? k_attn_staged<4>
-                                          : G <= 8 ? k_attn_staged<8>
-                                                   : k_attn_staged<16>;
-        static const void *raised[4];
-        const int ki = G <= 2 ? 0 : G <= 4 ? 1 : G <= 8 ? 2 : 3;
-        if (raised[ki] != (const void *)kern) {
-            st = (int)cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, ATTN_STAGED_MAX);
-            if (st) return st;
-            raised[ki] = (const void *)kern;
-        }
-        st = launch_k(kern, g1, dim3(256), ssm, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
-                      nchunk, g_attn_chunk, ar, part);
-    } else {
-        dim3 g1((unsigned)M, (unsigned)nchunk, (unsigned)nkv);
-        /* deep loads where the call has few blocks (nchunk: the chunks of the cache at hand,
-         * rounded up to a power of two) */
-        if ((size_t)M * (size_t)nchunk * (size_t)nkv <= (size_t)8 * (size_t)g_sms)
-            st = attn_part_launch<true>(G, g1, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
-                                        nchunk, part);
-        else
-            st = attn_part_launch<false>(G, g1, q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M,
-                                         nchunk, part);
-    }
+    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G) return -1;
+    int st = attn_tile_launch(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M, (unsigned)((hd + 31) / 32));
     return launch_k(k_attn_combine, g2, dim3(256), 0, q, qstride, gated, nh, hd, causal, pos0, M, nchunk,

@@ -262,9 +262,10 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
  * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
  * pos0: device int32 (read by the kernels); nchunk: any bound >= the chunks needed (blocks past
  * a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
- * (· sigmoid(gate) when gated). Returns -1 for an unsupported shape (more than 16 query heads
- * per KV head, or group x head_dim above 4096). */
-#define DFK_ATTN_CHUNK 128 /* the largest chunk */
+ * (· sigmoid(gate) when gated). Two launches: k_attn_tile (a block per group of rows, chunk and
+ * KV head; each row's bits independent of M and of the other rows) and k_attn_combine. Returns -1
+ * for an unsupported shape (head_dim other than 64, 128 or 256; more than 16 query heads per KV
+ * head). */
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                   const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
 
@@ -310,21 +311,15 @@ typedef struct dfk_gdn_job {
  * the two calls. -1 for an unsupported shape. */
 int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps, int M);
 
-/* The attention chunk (positions per block of dfk_attention): 32, 64 (default) or
- * DFK_ATTN_CHUNK (other values are ignored). Set once per process, before any attention: the
- * chunk is part of the arithmetic (the same for every row and every M, so never of batch
+/* The attention chunk (positions per block of dfk_attention): 32 (default) or 64 (other values
+ * are ignored). Set between steps, before any attention whose bits are compared with another's:
+ * the chunk is part of the arithmetic (the same for every row and every M, so never of batch
  * invariance). */
 void dfk_set_attn_chunk(int chunk);
 int dfk_attn_chunk(void);
-/* Calls of at most max_rows rows (default 1; 0: none) stage each attention chunk's K and V rows
- * in shared memory once per group of rows (dfk_set_attn_group; k_attn_staged); others read them
- * per (row, chunk) block through L2 (k_attn_part). The same arithmetic, so the same bits for any choice.
- * Process-wide; set between steps. */
-void dfk_set_attn_staged(int max_rows);
-/* Rows per staged block (1..4, default 1): a staged call's rows run in groups of this many, each
- * group a block that stages the chunk; the rows of a group run over it together. The same bits
- * for any choice. Process-wide; set between steps. */
-void dfk_set_attn_group(int rows);
+/* Timing experiments only (wrong outputs): 1 = the attention copies each chunk and stops, 2 =
+ * it computes without the copies; 0 (default) = neither. */
+void dfk_set_attn_diag(int v);
 
 /* ---- timeline trace (experiments: DFLASH_CUDA_TRACE) ----------------------------------------- */
 
