@@ -729,6 +729,25 @@ static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) 
         }
     }
     gpu_ok(be, "attention");
+    /* two calls of 8 rows in one step (as a prefill's tiles): the second reads the rows the
+     * first wrote (after the cache rows were reset to other values), never an early copy of
+     * them, so each row == its row of the 16-row call */
+    {
+        const int H = R / 2;
+        be->ops->to_device(be, dkcA, kc0, (size_t)cap * kd * 4);
+        be->ops->to_device(be, dvcA, vc0, (size_t)cap * kd * 4);
+        be->ops->to_device(be, dq, q, (size_t)R * qd * 4);
+        be->ops->to_device(be, dk, k, (size_t)R * kd * 4);
+        for (int h = 0; h < 2; h++)
+            be->ops->attention(be, &sh, dq + (size_t)h * H * qd, dk + (size_t)h * H * kd, dv + (size_t)h * H * kd, qn,
+                               kn, pos + h * H, H, dkcA, dvcA, p0 + h * H, doa + (size_t)h * H * od);
+        float *o2 = malloc((size_t)R * od * 4);
+        dget(be, o2, doa, (size_t)R * od * 4);
+        gpu_ok(be, "attention (two calls in one step)");
+        if (memcmp(o2, oa, (size_t)R * od * 4) != 0)
+            fail_msg("attention (hd %d, p0 %d): two 8-row calls in one step differ from the 16-row call", hd, p0);
+        free(o2);
+    }
     /* CPU reference for M = 16 */
     float *kc = malloc((size_t)cap * kd * 4), *vc = malloc((size_t)cap * kd * 4), *qq = malloc((size_t)R * qd * 4),
           *kk = malloc((size_t)R * kd * 4);
@@ -792,15 +811,17 @@ static void attention_case(int nh, int nkv, int hd, int rot, int gated, int p0) 
 static void test_attention(void **state) {
     (void)state;
     NEED_GPU();
-#ifdef DFLASH_WITH_CUDA
     for (int ch = 32; ch <= 64; ch *= 2) { /* both chunk sizes: M rows == single rows, CPU tolerance */
         printf("attention chunks of %d positions\n", ch);
+#ifdef DFLASH_WITH_CUDA
         df_backend_cuda_set_attn_chunk(g_gpu, ch);
+#endif
         attention_case(4, 2, 64, 16, 1, 37);    /* tiny target */
         attention_case(24, 4, 256, 64, 1, 600); /* 27B shape, 10 or 19 cache chunks */
         attention_case(32, 8, 128, 128, 0, 70); /* drafter shape */
         attention_case(24, 4, 256, 64, 1, 4200); /* past 128 chunks of 32: the finer chunk bound */
     }
+#ifdef DFLASH_WITH_CUDA
     df_backend_cuda_set_attn_chunk(g_gpu, 32);
 #endif
 }
@@ -918,6 +939,25 @@ static void gdn_case(int nk, int nv, int dk, int dv) {
         dget(be, csB, dcsB, (size_t)3 * C * 4);
         assert_memory_equal(SA, SB, ssz * 4);
         assert_memory_equal(csA, csB, (size_t)3 * C * 4);
+    }
+    /* rows 0..7 then 8..15 as two calls in one step (as a prefill's tiles): the second reads the
+     * states the first wrote, never an early copy of them, so outputs and states == the 16-row
+     * call's (oa, SA, csA: the loop's last M) */
+    {
+        const int H = R / 2;
+        float *o2 = malloc((size_t)R * Vd * 4);
+        be->ops->to_device(be, dcsB, cs0, (size_t)3 * C * 4);
+        be->ops->to_device(be, dSB, S0, ssz * 4);
+        for (int h = 0; h < 2; h++)
+            be->ops->gdn(be, &sh, dqkv + (size_t)h * H * C, dz + (size_t)h * H * Vd, da + (size_t)h * H * nv,
+                         db + (size_t)h * H * nv, conv_w, A_log, dt, nw, H, dcsB, dSB, doa + (size_t)h * H * Vd);
+        dget(be, o2, doa, (size_t)R * Vd * 4);
+        dget(be, SB, dSB, ssz * 4);
+        dget(be, csB, dcsB, (size_t)3 * C * 4);
+        if (memcmp(o2, oa, (size_t)R * Vd * 4) != 0 || memcmp(SB, SA, ssz * 4) != 0 ||
+            memcmp(csB, csA, (size_t)3 * C * 4) != 0)
+            fail_msg("gdn (dk %d): two 8-row calls in one step differ from the 16-row call", dk);
+        free(o2);
     }
     /* states-only replay (out = NULL) advances the same states */
     be->ops->to_device(be, dcsB, cs0, (size_t)3 * C * 4);

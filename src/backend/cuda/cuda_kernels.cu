@@ -1145,11 +1145,12 @@ extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
 
 /* ---- attention ----------------------------------------------------------------------------- */
 
-__global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd,
-                          const float *q_norm, const float *k_norm, int rot, float theta, float eps,
-                          const int32_t *positions, float *k_cache, float *v_cache) {
-    k_pdl_begin();
-    const int pos0 = __ldcg(&positions[DFK_MAX_ROWS]);
+#define QK_PREP_THREADS 128
+#define QK_PREP_PER (1024 / QK_PREP_THREADS) /* elements per thread at most (hd <= 1024) */
+__global__ void __launch_bounds__(QK_PREP_THREADS)
+    k_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv, int hd, const float *q_norm,
+              const float *k_norm, int rot, float theta, float eps, const int32_t *positions, float *k_cache,
+              float *v_cache) {
     __shared__ float sv[1024];
     __shared__ float red[128];
     const int m = blockIdx.x, h = blockIdx.y;
@@ -1165,6 +1166,29 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         vec = k + ((size_t)m * (size_t)nkv + (size_t)kh) * (size_t)hd;
         nw = k_norm;
     }
+    /* before waiting for the previous kernel: the norm weights, and the rotation's angles from
+     * the positions (the step's parameter block, copied before its first kernel) */
+    const int half = rot / 2;
+    const int pos0 = __ldcg(&positions[DFK_MAX_ROWS]);
+    const int32_t pos = __ldcg(&positions[m]);
+    float nwv[QK_PREP_PER], rcs[QK_PREP_PER / 2], rsn[QK_PREP_PER / 2];
+#pragma unroll
+    for (int k2 = 0; k2 < QK_PREP_PER; k2++) {
+        const int i = (int)threadIdx.x + k2 * QK_PREP_THREADS;
+        nwv[k2] = nw && i < hd ? nw[i] : 0.0f;
+    }
+#pragma unroll
+    for (int k2 = 0; k2 < QK_PREP_PER / 2; k2++) {
+        const int i = (int)threadIdx.x + k2 * QK_PREP_THREADS;
+        rcs[k2] = rsn[k2] = 0.0f;
+        if (i < half) {
+            double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot);
+            float f = (float)((double)pos * inv_freq);
+            rcs[k2] = cosf(f);
+            rsn[k2] = sinf(f);
+        }
+    }
+    k_pdl_begin();
     for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = __ldcg(&vec[i]);
     __syncthreads();
     if (nw) {
@@ -1172,18 +1196,21 @@ __global__ void k_qk_prep(float *q, int qstride, int nh, float *k, const float *
         for (int i = threadIdx.x; i < hd; i += blockDim.x) acc = acc + sv[i] * sv[i];
         float ms = block_sum(acc, red) / (float)hd;
         float inv = 1.0f / sqrtf(ms + eps);
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = (sv[i] * inv) * nw[i];
+#pragma unroll
+        for (int k2 = 0; k2 < QK_PREP_PER; k2++) {
+            const int i = (int)threadIdx.x + k2 * QK_PREP_THREADS;
+            if (i < hd) sv[i] = (sv[i] * inv) * nwv[k2];
+        }
         __syncthreads();
     }
-    const int half = rot / 2;
-    const int32_t pos = __ldcg(&positions[m]);
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = pow((double)theta, -2.0 * (double)i / (double)rot);
-        float f = (float)((double)pos * inv_freq);
-        float cs = cosf(f), sn = sinf(f);
-        float a = sv[i], b = sv[i + half];
-        sv[i] = a * cs - b * sn;
-        sv[i + half] = b * cs + a * sn;
+#pragma unroll
+    for (int k2 = 0; k2 < QK_PREP_PER / 2; k2++) {
+        const int i = (int)threadIdx.x + k2 * QK_PREP_THREADS;
+        if (i < half) {
+            float a = sv[i], b = sv[i + half];
+            sv[i] = a * rcs[k2] - b * rsn[k2];
+            sv[i + half] = b * rcs[k2] + a * rsn[k2];
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < hd; i += blockDim.x) vec[i] = sv[i];
@@ -1201,8 +1228,8 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
                            const float *q_norm, const float *k_norm, int rot, float theta, float eps,
                            const int32_t *positions, int M, float *k_cache, float *v_cache) {
     dim3 grid((unsigned)M, (unsigned)((q ? nh : 0) + nkv));
-    return launch_k(k_qk_prep, grid, dim3(128), 0, q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot, theta, eps,
-                    positions, k_cache, v_cache);
+    return launch_k(k_qk_prep, grid, dim3(QK_PREP_THREADS), 0, q, qstride, nh, k, v, nkv, hd, q_norm, k_norm, rot,
+                    theta, eps, positions, k_cache, v_cache);
 }
 
 /* ---- attention --------------------------------------------------------------------------------
@@ -1285,10 +1312,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, CH == 32 ? 2 : 1)
     k_attn_tile(const float *q, int qstride, int nh, int nkv, int hd, const float *k_cache, const float *v_cache,
                 float scale, int causal, const int32_t *pos0p, int M, int nchunk, int rg, float *part, int diag) {
     constexpr int DP = 256 / CH; /* score parts */
-    /* pos0 lies in the step's parameter block, copied before the step's first kernel: read
-     * before waiting for the previous kernel, so that blocks past the rows exit at once and the
-     * others have their barrier ready when the inputs are */
-    const int pos0 = __ldcg(pos0p);
+    /* pos0 and `stable` lie in the step's parameter block, copied before the step's first
+     * kernel: read before waiting for the previous kernel, so that blocks past the rows exit at
+     * once, and the cache rows below `stable` (no kernel of the step writes them) are copied
+     * while the previous kernels run */
+    const int pos0 = __ldcg(pos0p), stable = __ldcg(pos0p + 1);
     extern __shared__ __align__(16) float ast[];
     __shared__ float smx[ATTN_QM], ssum[ATTN_QM];
     __shared__ int sn[ATTN_QM];
@@ -1311,9 +1339,16 @@ __global__ void __launch_bounds__(ATTN_THREADS, CH == 32 ? 2 : 1)
         sn[r] = t0 >= len ? 0 : (len < t0 + CH ? len : t0 + CH) - t0;
     }
     __syncthreads();
-    k_pdl_begin(); /* the cache's new rows and q come from the previous kernel */
-    for (int i = threadIdx.x; i < 2 * nmax && diag != 2; i += blockDim.x) {
-        const int w = i >= nmax, t = w ? i - nmax : i;
+    /* rows t < npre before the wait, the others (written by this step's kernels) after */
+    const int npre = stable - t0 < 0 ? 0 : (stable - t0 < nmax ? stable - t0 : nmax);
+    for (int i = threadIdx.x; i < 2 * npre && diag != 2; i += blockDim.x) {
+        const int w = i >= npre, t = w ? i - npre : i;
+        bulk_copy((uint32_t)__cvta_generic_to_shared(w ? sv + t * hd : sk + t * kst),
+                  (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
+    }
+    k_pdl_begin(); /* the cache's new rows and q come from the previous kernels */
+    for (int i = threadIdx.x; i < 2 * (nmax - npre) && diag != 2; i += blockDim.x) {
+        const int w = i >= nmax - npre, t = npre + (w ? i - (nmax - npre) : i);
         bulk_copy((uint32_t)__cvta_generic_to_shared(w ? sv + t * hd : sk + t * kst),
                   (w ? v_cache : k_cache) + off + (size_t)t * kstride, (unsigned)(hd * 4), bar);
     }
@@ -1454,8 +1489,8 @@ static int attn_tile_launch(const float *q, int qstride, int nh, int nkv, int hd
 __global__ void __launch_bounds__(256) k_attn_combine(const float *q, int qstride, int gated, int nh, int hd,
                                                       int causal, const int32_t *pos0p, int M, int nchunk, int chunk,
                                                       const float *part, float *out) {
+    const int pos0 = __ldcg(pos0p); /* the step's parameters: before the wait (k_attn_tile) */
     k_pdl_begin();
-    const int pos0 = __ldcg(pos0p);
     __shared__ float wsm[ATTN_WSM];
     __shared__ float red[8];
     __shared__ float psum[8][32];
@@ -1658,7 +1693,8 @@ template <int SPT, bool FUSED, int KMC = GDN_MAX_K>
 static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
                                                      const float *b, const float *A_log, const float *dt_bias,
                                                      const float *norm_w, int nk, int nv, int dv, float eps, int M,
-                                                     const float *S_in, float *S, float *out, const gdn_fconv &fc) {
+                                                     const float *S_in, float *S, float *out, const gdn_fconv &fc,
+                                                     unsigned pdl_site = 0) {
     constexpr int DK = 4 * SPT, PL = (DK + 31) / 32;
     extern __shared__ float gsm[];
     float *qs = gsm;                 /* [GDN_RB][DK] */
@@ -1688,8 +1724,15 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     float cwin[KMC], cwk[KMC];
     if constexpr (FUSED)
         if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
+    /* pdl_site (the calling kernel's trace site): the states and weights above were loaded
+     * before waiting for the previous kernel (no kernel of the step before this one writes them:
+     * the caller knows) */
+    if (pdl_site) k_pdl_begin_(pdl_site);
     for (int m0 = 0; m0 < M; m0 += GDN_RB) {
         const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
+        /* this warp's first row's gate inputs, loaded now: their latency overlaps the conv's */
+        const float bin0 = lane == 0 && warp < nb ? __ldcg(&b[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
+        const float ain0 = lane == 0 && warp < nb ? __ldcg(&a[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
         /* silu(z) of this warp's first row of the batch for the gated norm at the end (dv <= 256:
          * 8 per lane at most), loaded and computed now, while the state's loads are in flight,
          * instead of after the recurrence (the same values) */
@@ -1706,9 +1749,8 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             __syncthreads();
         }
         for (int r = warp; r < nb; r += nwarps) {
-            /* this row's gate inputs first: their latency overlaps the norms' */
-            const float bin = lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
-            const float ain = lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
+            const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
+            const float ain = r == warp ? ain0 : lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
@@ -1808,16 +1850,19 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
 }
 
 /* The conv and the recurrence in one kernel: block j convolves its head's q, k and v channels
- * into shared memory (same bits as k_gdn_conv), then runs k_gdn_rec's recurrence on them. */
+ * into shared memory (same bits as k_gdn_conv), then runs k_gdn_rec's recurrence on them. pre:
+ * the states (S_in, conv_in) are loaded before waiting for the previous kernel. */
 template <int SPT, int KMC>
 __global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in,
                                                    float *conv_state, const float *z, const float *a, const float *b,
                                                    const float *A_log, const float *dt_bias, const float *norm_w,
                                                    int nk, int nv, int dv, float eps, int M, const float *S_in,
-                                                   float *S, float *out) {
-    k_pdl_begin();
+                                                   float *S, float *out, int pre) {
+    const unsigned site = DFK_TR_SITE(0);
+    if (!pre) k_pdl_begin_(site);
     const gdn_fconv fc = {qkv, conv_w, conv_in, conv_state, K};
-    gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc);
+    gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc,
+                                  pre ? site : 0u);
 }
 
 /* Layer blockIdx.y of a job table: its recurrence, states only, in place. Two blocks per SM
@@ -1865,10 +1910,10 @@ template <int KMC>
 static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, const float *conv_w, int K,
                             const float *conv_in, float *conv_state, const float *z, const float *a, const float *b,
                             const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv, int dv,
-                            float eps, int M, const float *S_in, float *S, float *out) {
+                            float eps, int M, const float *S_in, float *S, float *out, int pre) {
     void (*kern)(const float *, const float *, int, const float *, float *, const float *, const float *,
                  const float *, const float *, const float *, const float *, int, int, int, float, int, const float *,
-                 float *, float *) = dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
+                 float *, float *, int) = dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
     if (dk != 32 && dk != 64 && dk != 128) return -1;
     static bool attr[3];
     const int ai = dk == 32 ? 0 : (dk == 64 ? 1 : 2);
@@ -1878,22 +1923,22 @@ static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, 
         attr[ai] = true;
     }
     return launch_k(kern, dim3((unsigned)nv), dim3((unsigned)threads), smem, qkv, conv_w, K, conv_in, conv_state, z,
-                    a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
+                    a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre);
 }
 
 extern "C" int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                              const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                              const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in,
-                             float *S, float *out) {
+                             float *S, float *out, int pre) {
     const int threads = 4 * dv;
     if (K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads ||
         nv % nk != 0 || 2 * dk + dv > threads)
         return -1;
     const size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
     return K <= 4 ? gdn_fused_launch<4>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b, A_log,
-                                          dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out)
+                                          dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre)
                   : gdn_fused_launch<GDN_MAX_K>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b,
-                                                A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out);
+                                                A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre);
 }
 
 extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps,

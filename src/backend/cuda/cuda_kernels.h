@@ -260,8 +260,10 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
 
 /* Attention of M rows over the cache in chunks of dfk_attn_chunk() positions: row m sees
  * len_m = causal ? pos0+m+1 : pos0+M positions; the chunking depends on len_m alone.
- * pos0: device int32 (read by the kernels); nchunk: any bound >= the chunks needed (blocks past
- * a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
+ * pos0: device int32 [2] in the step's parameter block (written before the step's first kernel):
+ * pos0, then `stable`, the first cache row that a kernel since the last host synchronization
+ * writes (rows below it are read before waiting for the previous kernel); nchunk: any bound >=
+ * the chunks needed (blocks past a row's length exit). part: scratch float [M, nh, nchunk, hd + 2]; out [M, nh*hd]
  * (· sigmoid(gate) when gated). Two launches: k_attn_tile (a block per group of rows, chunk and
  * KV head; each row's bits independent of M and of the other rows) and k_attn_combine. Returns -1
  * for an unsupported shape (head_dim other than 64, 128 or 256; more than 16 query heads per KV
@@ -293,12 +295,14 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
                        const float *S_in, float *S, float *out);
 
 /* dfk_gdn_conv then dfk_gdn_recurrence in one kernel (block j convolves its head's q, k and v
- * channels into shared memory: the same bits as the two calls); no conv_out scratch. -1 for
- * an unsupported shape (also when 2·dk + dv exceeds 4·dv). */
+ * channels into shared memory: the same bits as the two calls); no conv_out scratch. pre = 1:
+ * the states S_in and conv_in are read before waiting for the previous kernel (programmatic
+ * dependent launch), which the caller allows only where no kernel since the last host
+ * synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds 4·dv). */
 int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                   const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                   const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in, float *S,
-                  float *out);
+                  float *out, int pre);
 
 /* One layer of dfk_gdn_multi (device pointers; conv_out: [M, C] scratch of its own). */
 typedef struct dfk_gdn_job {
