@@ -48,7 +48,7 @@ typedef struct aentry {
     size_t bytes;
 } aentry;
 
-#define DF_CUDA_STEP_WRITES 512 /* hash slots of the state buffers written in a step (a power of two) */
+#define DF_CUDA_STEP_WRITES 2048 /* hash slots of the state buffers written in a step (a power of two) */
 
 typedef struct cuda_backend {
     df_backend base;
@@ -567,7 +567,9 @@ static struct step_write *step_slot(cuda_backend *cb, const void *p) {
     return NULL;
 }
 
-/* Notes that a kernel recorded in this step writes state buffer p from row `row` on. */
+/* Notes that a kernel recorded in this step writes state buffer p from row `row` on. Only
+ * kernels need noting: copies and fills (copy, copy_rows, zero, to_device) are stream operations
+ * that no kernel overlaps, so a later kernel, even before its PDL wait, sees them done. */
 static void step_write(cuda_backend *cb, const void *p, int row) {
     struct step_write *w = cb->n_sw < DF_CUDA_STEP_WRITES / 2 ? step_slot(cb, p) : NULL;
     if (!w) {
@@ -589,7 +591,8 @@ static void step_write(cuda_backend *cb, const void *p, int row) {
 static int step_written_from(cuda_backend *cb, const void *p) {
     if (cb->sw_full) return 0;
     const struct step_write *w = step_slot(cb, p);
-    return w && w->gen == cb->sw_gen ? w->row : INT_MAX;
+    if (!w) return 0;
+    return w->gen == cb->sw_gen ? w->row : INT_MAX;
 }
 
 /* 1 when the n commands a and b are the same (launchers and the used bytes of their arguments). */
@@ -1453,11 +1456,17 @@ static void cu_swiglu(df_backend *be, const float *gate, const float *up, size_t
     record(cub(be), run_ew, "swiglu", &a, sizeof a);
 }
 
-static int attn_shape_ok(cuda_backend *cb, const df_attn_shape *sh, int M) {
-    if (M < 1 || M > DFK_MAX_ROWS || sh->head_dim > 1024 || sh->rot_dims > sh->head_dim || sh->n_kv_heads <= 0 ||
-        sh->n_heads % sh->n_kv_heads != 0) {
-        fail(cb, "attention: unsupported shape (M %d, head_dim %d, heads %d/%d) on the CUDA backend", M, sh->head_dim,
-             sh->n_heads, sh->n_kv_heads);
+/* attends: the op reads the cache (attention; not kv_append), whose kernel takes head_dim 64,
+ * 128 or 256 and at most 16 query heads per KV head (dfk_attention). */
+static int attn_shape_ok(cuda_backend *cb, const df_attn_shape *sh, int M, int attends) {
+    const int hd = sh->head_dim;
+    if (M < 1 || M > DFK_MAX_ROWS || hd > 1024 || sh->rot_dims > hd || sh->n_kv_heads <= 0 ||
+        sh->n_heads % sh->n_kv_heads != 0 ||
+        (attends && ((hd != 64 && hd != 128 && hd != 256) || sh->n_heads / sh->n_kv_heads > 16))) {
+        fail(cb,
+             "attention: unsupported shape (M %d, head_dim %d, heads %d/%d) on the CUDA backend (it attends with "
+             "head_dim 64, 128 or 256 and at most 16 query heads per KV head)",
+             M, hd, sh->n_heads, sh->n_kv_heads);
         return 0;
     }
     return 1;
@@ -1489,7 +1498,7 @@ static int run_attention(cuda_backend *cb, const void *args) {
 static int attn_prep(cuda_backend *cb, const df_attn_shape *sh, float *q, float *k, const float *v,
                      const float *q_norm, const float *k_norm, const int32_t *positions, int M, float *k_cache,
                      float *v_cache, int pos0, a_attn *a) {
-    if (!attn_shape_ok(cb, sh, M)) return 0;
+    if (!attn_shape_ok(cb, sh, M, q != NULL)) return 0;
     const int hd = sh->head_dim;
     memset(a, 0, sizeof *a);
     if (q_norm && !(a->qn = dvec(cb, q_norm, (size_t)hd))) return 0;

@@ -1237,7 +1237,7 @@ extern "C" int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float 
  * Attention over the KV cache in chunks of g_attn_chunk positions: part[m, h, c] = (o[0..hd),
  * max, sum) of query head h of row m over chunk c, computed by k_attn_tile, then k_attn_combine
  * merges a row's chunks. The chunk is part of the arithmetic, the same for every row and every
- * M (set once per process), so never of batch invariance. */
+ * M (process-wide, set between steps), so never of batch invariance. */
 #define ATTN_MAX_G 16
 static int g_attn_chunk = 32; /* measured best at 1k context (docs/PERFORMANCE.md) */
 extern "C" void dfk_set_attn_chunk(int chunk) {
@@ -1724,9 +1724,9 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     float cwin[KMC], cwk[KMC];
     if constexpr (FUSED)
         if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
-    /* pdl_site (the calling kernel's trace site): the states and weights above were loaded
-     * before waiting for the previous kernel (no kernel of the step before this one writes them:
-     * the caller knows) */
+    /* pdl_site (the calling kernel's trace site, DFK_TR_SITE: never 0): the states and weights
+     * above were loaded before waiting for the previous kernel (no kernel of the step before this
+     * one writes them: the caller knows); 0: the caller waited already */
     if (pdl_site) k_pdl_begin_(pdl_site);
     for (int m0 = 0; m0 < M; m0 += GDN_RB) {
         const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
