@@ -37,8 +37,10 @@ static const char SYNTH_HELP[] =
     "  --threads N         writer threads (default: all CPUs)\n"
     "  --help              show this help and exit\n";
 
+/* A usage error's tail, as the other commands print it (the help's first line, then a pointer
+ * to --help). */
 static int usage(void) {
-    fputs(SYNTH_HELP, stderr);
+    fputs("usage: dflash synth --out DIR [options]\n(see 'dflash synth --help')\n", stderr);
     return 2;
 }
 

@@ -188,7 +188,8 @@ int cmd_generate(int argc, char **argv) {
         const int lim = tv < mv ? tv : mv;
         for (size_t i = 0; i < n_ids; i++)
             if (ids[i] < 0 || ids[i] >= lim) {
-                cli_error("generate", "--prompt-ids: token id %d is outside 0..%d", (int)ids[i], lim - 1);
+                cli_error("generate", "--prompt-ids: token id %d is outside 0..%d (the tokenizer's ids)", (int)ids[i],
+                          lim - 1);
                 rc = CLI_EXIT_USAGE;
                 goto done;
             }

@@ -159,6 +159,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     case CLI_SIZE: {
         if (isspace((unsigned char)v[0])) return bad_value(cmd, o, v, "expected an integer"); /* as trailing space */
         long long x = strtoll(v, &end, 10);
+        if (errno == ERANGE && end != v && !*end && !(o->lo == 0 && o->hi == 0))
+            return range_error(cmd, o, v); /* an integer past 64 bits: past the range too */
         if (errno || end == v || *end) return bad_value(cmd, o, v, "expected an integer");
         if (!in_range(o, (double)x)) return range_error(cmd, o, v);
         if (o->kind == CLI_INT) {

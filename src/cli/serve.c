@@ -67,11 +67,7 @@ static int serve(df_server_options *so) {
         cli_error("serve", "%s", err.msg);
         goto done;
     }
-    char line[512];
-    snprintf(line, sizeof line, "listening on http://%s%s%s:%d%s; loading model '%s'", strchr(so->host, ':') ? "[" : "",
-             so->host, strchr(so->host, ':') ? "]" : "", df_server_port(srv), so->api_key ? " (API key required)" : "",
-             so->model_id);
-    log_line(NULL, line);
+    char line[512]; /* (df_server_listen logged where it listens) */
     int announced = 0;
     for (;;) {
         struct timespec tick = {0, 50 * 1000 * 1000};

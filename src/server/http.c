@@ -649,6 +649,10 @@ df_status df_server_listen(df_server *srv, df_error *err) {
     }
     srv->daemon = d;
     srv->bound_port = port;
+    /* logged before the loading starts, so that a loading failure's line follows it */
+    const int v6 = strchr(srv->host, ':') != NULL;
+    df_server_log(srv, "listening on http://%s%s%s:%d%s; loading model '%s'", v6 ? "[" : "", srv->host, v6 ? "]" : "",
+                  port, srv->api_key && srv->api_key[0] ? " (API key required)" : "", srv->model_id);
     /* the socket is up: load the model and serve the queue in the background */
     if (pthread_create(&srv->worker, NULL, df_worker_main, srv) != 0) {
         MHD_stop_daemon(d);

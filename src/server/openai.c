@@ -472,7 +472,8 @@ static int parse_logit_bias(df_api_request *req, int vocab, df_api_error *e) {
         long id = strtol(key, &end, 10);
         if (!key[0] || *end || errno || key[0] == ' ' || key[0] == '+' || id < 0 || id >= vocab)
             return df_api_error_set(e, 400, INVALID, "invalid_value", "logit_bias",
-                                    "Invalid 'logit_bias': key '%.64s' is not a token id (an integer from 0 to %d).",
+                                    "Invalid 'logit_bias': key '%.64s' is not a token id (an integer from 0 to %d: the "
+                                    "model's vocabulary).",
                                     key, vocab - 1);
         float bias = 0;
         if (get_number(lb, key, param, -100, 0, 100, &bias, e)) return -1;
@@ -617,12 +618,14 @@ static int check_ids(const json_t *a, const char *param, int vocab, df_api_error
         snprintf(p, sizeof p, "%s[%zu]", param, i);
         if (overflow_text(x))
             return df_api_error_set(e, 400, INVALID, "invalid_value", p,
-                                    "Invalid '%s': token id %s is outside 0..%d.", p, overflow_text(x), vocab - 1);
+                                    "Invalid '%s': token id %s is outside 0..%d (the tokenizer's ids).", p,
+                                    overflow_text(x), vocab - 1);
         if (!json_is_integer(x)) return type_error(e, p, "a token id (an integer)", x);
         json_int_t id = json_integer_value(x);
         if (id < 0 || id >= vocab)
             return df_api_error_set(e, 400, INVALID, "invalid_value", p,
-                                    "Invalid '%s': token id %lld is outside 0..%d.", p, (long long)id, vocab - 1);
+                                    "Invalid '%s': token id %lld is outside 0..%d (the tokenizer's ids).", p,
+                                    (long long)id, vocab - 1);
     }
     return 0;
 }

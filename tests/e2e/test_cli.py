@@ -275,6 +275,17 @@ def test_synth_and_bench_take_name_equals_value(tmp_path):
     assert "plain decode" in p.stdout
     p = run_cli("synth", "--config=huge", f"--out={tmp_path / 'c'}")
     assert p.returncode == 2, p.stderr
+    # a usage error as every command gives it: the message, one usage line, a pointer to --help
+    assert "--config takes 27b or tiny" in p.stderr and "(see 'dflash synth --help')" in p.stderr, p.stderr
+    assert "options:" not in p.stderr, p.stderr
+
+
+def test_integer_past_64_bits_names_the_range():
+    """An integer option given a value past 64 bits says the range, as one past the range does."""
+    for v in ("99999999999999999999", "-5"):
+        p = run_cli("generate", *model_args(), "--chat", "hi", "--max-tokens", v)
+        assert p.returncode == 2, (v, p.stderr)
+        assert "expected an integer from 0 to" in p.stderr, (v, p.stderr)
 
 
 def test_readme_lists_every_generate_and_serve_option():

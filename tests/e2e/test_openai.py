@@ -778,6 +778,10 @@ def test_load_failure_exits_1(tmp_path):
     assert log and final
     assert str(tmp_path) not in log[0]   # the log (like HTTP answers) names the folder by its public id
     assert str(tmp_path) in final[0]     # the operator's final error names it as typed
+    lines = p.stderr.splitlines()
+    listen = [i for i, l in enumerate(lines) if "listening on http://" in l]
+    failed = [i for i, l in enumerate(lines) if "loading failed" in l]
+    assert listen and failed and listen[0] < failed[0], p.stderr   # where it listens, then the failure
 
 
 def test_curl_streaming(server):
