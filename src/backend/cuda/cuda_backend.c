@@ -14,6 +14,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/step_writes.h"
 
 /* ---- tables ----------------------------------------------------------------------------------- */
 
@@ -47,8 +48,6 @@ typedef struct aentry {
     void *p;
     size_t bytes;
 } aentry;
-
-#define DF_CUDA_STEP_WRITES 2048 /* hash slots of the state buffers written in a step (a power of two) */
 
 typedef struct cuda_backend {
     df_backend base;
@@ -102,15 +101,11 @@ typedef struct cuda_backend {
     size_t n_dfree, cap_dfree;
     struct gentry *graphs;      /* [DF_CUDA_MAX_GRAPHS] */
     /* the state buffers (GDN states, KV caches) that kernels recorded in this step write, from
-     * which row on (step_write): a kernel may read a buffer before waiting for the previous
-     * kernel only where no kernel since the last host synchronization wrote it */
-    struct step_write {
-        const void *p;
-        int row;
-        unsigned gen; /* valid when sw_gen: the step's generation */
-    } sw[DF_CUDA_STEP_WRITES];
-    unsigned sw_gen;
-    int n_sw, sw_full;
+     * which row on: a kernel may read a buffer before waiting for the previous kernel only where
+     * no kernel since the last host synchronization wrote it (step_writes.h). Only kernels need
+     * noting: copies and fills (copy, copy_rows, zero, to_device) are stream operations that no
+     * kernel overlaps, so a later kernel, even before its wait, sees them done. */
+    df_step_writes sw;
     uint64_t clock;
     int use_graphs;
     const char *trace_path; /* DFLASH_CUDA_TRACE: the timeline file written at destroy, or NULL */
@@ -558,43 +553,6 @@ static size_t params(cuda_backend *cb, size_t n) {
     return off;
 }
 
-/* The slot of state buffer p in the step's table of writes (open addressing; a free slot where
- * p is absent; NULL when the table is full). */
-static struct step_write *step_slot(cuda_backend *cb, const void *p) {
-    size_t h = (size_t)(((uintptr_t)p >> 6) * 0x9e3779b97f4a7c15ULL) & (DF_CUDA_STEP_WRITES - 1);
-    for (int k = 0; k < DF_CUDA_STEP_WRITES; k++, h = (h + 1) & (DF_CUDA_STEP_WRITES - 1))
-        if (cb->sw[h].gen != cb->sw_gen || cb->sw[h].p == p) return &cb->sw[h];
-    return NULL;
-}
-
-/* Notes that a kernel recorded in this step writes state buffer p from row `row` on. Only
- * kernels need noting: copies and fills (copy, copy_rows, zero, to_device) are stream operations
- * that no kernel overlaps, so a later kernel, even before its PDL wait, sees them done. */
-static void step_write(cuda_backend *cb, const void *p, int row) {
-    struct step_write *w = cb->n_sw < DF_CUDA_STEP_WRITES / 2 ? step_slot(cb, p) : NULL;
-    if (!w) {
-        cb->sw_full = 1;
-        return;
-    }
-    if (w->gen != cb->sw_gen) {
-        w->gen = cb->sw_gen;
-        w->p = p;
-        w->row = row;
-        cb->n_sw++;
-    } else if (row < w->row) {
-        w->row = row;
-    }
-}
-
-/* The first row of state buffer p that a kernel recorded in this step writes: INT_MAX for none,
- * 0 where the step's writes are not all known. */
-static int step_written_from(cuda_backend *cb, const void *p) {
-    if (cb->sw_full) return 0;
-    const struct step_write *w = step_slot(cb, p);
-    if (!w) return 0;
-    return w->gen == cb->sw_gen ? w->row : INT_MAX;
-}
-
 /* 1 when the n commands a and b are the same (launchers and the used bytes of their arguments). */
 static int cmds_equal(const cmd *a, const cmd *b, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -709,12 +667,7 @@ static void step_run(cuda_backend *cb) {
     cudaError_t e = cudaStreamSynchronize(cb->stream);
     if (e != cudaSuccess && !cb->base.failed) fail(cb, "step: CUDA error: %s", cudaGetErrorString(e));
     cb->n_cmds = 0;
-    cb->n_sw = 0;
-    cb->sw_full = 0;
-    if (++cb->sw_gen == 0) { /* wrapped: no slot may look current */
-        memset(cb->sw, 0, sizeof cb->sw);
-        cb->sw_gen = 1;
-    }
+    df_step_writes_reset(&cb->sw);
     cb->n_params = 0;
     cb->n_stage = 0;
     cb->sig_hash = 0xcbf29ce484222325ULL;
@@ -1508,9 +1461,9 @@ static int attn_prep(cuda_backend *cb, const df_attn_shape *sh, float *q, float 
     cb->hparams[off + DFK_MAX_ROWS] = pos0;
     /* the cache rows the kernels read before the PDL wait: those no kernel of this step writes
      * (this op's own preparation writes rows pos0 .. pos0 + M - 1) */
-    step_write(cb, k_cache, pos0);
-    step_write(cb, v_cache, pos0);
-    const int wk = step_written_from(cb, k_cache), wv = step_written_from(cb, v_cache);
+    df_step_writes_note(&cb->sw, k_cache, pos0);
+    df_step_writes_note(&cb->sw, v_cache, pos0);
+    const int wk = df_step_writes_first(&cb->sw, k_cache), wv = df_step_writes_first(&cb->sw, v_cache);
     cb->hparams[off + DFK_MAX_ROWS + 1] = wk < wv ? wk : wv;
     a->q = q;
     a->k = k;
@@ -1631,9 +1584,9 @@ static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, 
     g.conv_state = conv_state;
     g.S = S;
     g.out = out;
-    g.pre = step_written_from(cb, S_in) == INT_MAX && step_written_from(cb, conv_in) == INT_MAX;
-    step_write(cb, S, 0);
-    step_write(cb, conv_state, 0);
+    g.pre = df_step_writes_first(&cb->sw, S_in) == INT_MAX && df_step_writes_first(&cb->sw, conv_in) == INT_MAX;
+    df_step_writes_note(&cb->sw, S, 0);
+    df_step_writes_note(&cb->sw, conv_state, 0);
     record(cb, run_gdn, "gdn", &g, sizeof g);
 }
 
@@ -1682,8 +1635,8 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
             J.norm_w = dvec(cb, L->norm_w, (size_t)g.d.dv);
             J.conv_state = L->conv_state;
             J.S = L->S;
-            step_write(cb, L->conv_state, 0);
-            step_write(cb, L->S, 0);
+            df_step_writes_note(&cb->sw, L->conv_state, 0);
+            df_step_writes_note(&cb->sw, L->S, 0);
             J.conv_out = cb->conv_out + (size_t)i * per;
             if (!J.conv_w || !J.A_log || !J.dt_bias || !J.norm_w) {
                 if (!be->failed) fail(cb, "gdn: missing weights");
@@ -1855,7 +1808,7 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     if (!cb) return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
     cb->base.ops = &cuda_ops;
     cb->base.n_threads = 1;
-    cb->sw_gen = 1; /* the zeroed write table holds no current slot */
+    df_step_writes_init(&cb->sw);
     const char *lin = getenv("DFLASH_CUDA_LINEAR");
     cb->force_simple = lin && strcmp(lin, "simple") == 0;
     /* DFLASH_CUDA_LINEAR=bf16split: quantized weights on the bf16 tensor-core path (exact
