@@ -1409,13 +1409,12 @@ static void cu_swiglu(df_backend *be, const float *gate, const float *up, size_t
     record(cub(be), run_ew, "swiglu", &a, sizeof a);
 }
 
-/* attends: the op reads the cache (attention; not kv_append), whose kernel takes head_dim 64,
- * 128 or 256 and at most 16 query heads per KV head (dfk_attention). */
+/* attends: the op reads the cache (attention; not kv_append): dfk_attention must take the shape. */
 static int attn_shape_ok(cuda_backend *cb, const df_attn_shape *sh, int M, int attends) {
     const int hd = sh->head_dim;
     if (M < 1 || M > DFK_MAX_ROWS || hd > 1024 || sh->rot_dims > hd || sh->n_kv_heads <= 0 ||
         sh->n_heads % sh->n_kv_heads != 0 ||
-        (attends && ((hd != 64 && hd != 128 && hd != 256) || sh->n_heads / sh->n_kv_heads > 16))) {
+        (attends && !dfk_attention_shape_ok(sh->n_heads, sh->n_kv_heads, hd))) {
         fail(cb,
              "attention: unsupported shape (M %d, head_dim %d, heads %d/%d) on the CUDA backend (it attends with "
              "head_dim 64, 128 or 256 and at most 16 query heads per KV head)",

@@ -1537,11 +1537,15 @@ __global__ void __launch_bounds__(256) k_attn_combine(const float *q, int qstrid
     }
 }
 
+extern "C" int dfk_attention_shape_ok(int nh, int nkv, int hd) {
+    return nkv > 0 && nh % nkv == 0 && nh / nkv <= ATTN_MAX_G && (hd == 64 || hd == 128 || hd == 256);
+}
+
 extern "C" int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                              const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part,
                              float *out) {
     const float scale = 1.0f / sqrtf((float)hd);
-    if (nkv <= 0 || nh % nkv != 0 || nh / nkv > ATTN_MAX_G) return -1;
+    if (!dfk_attention_shape_ok(nh, nkv, hd)) return -1;
     int st = attn_tile_launch(q, qstride, nh, nkv, hd, k_cache, v_cache, scale, causal, pos0, M, nchunk, part);
     if (st) return st;
     dim3 g2((unsigned)nh, (unsigned)M, (unsigned)((hd + 31) / 32));

@@ -268,6 +268,9 @@ int dfk_qk_prep(float *q, int qstride, int nh, float *k, const float *v, int nkv
  * KV head; each row's bits independent of M and of the other rows) and k_attn_combine. Returns -1
  * for an unsupported shape (head_dim other than 64, 128 or 256; more than 16 query heads per KV
  * head). */
+/* 1 when dfk_attention takes the shape: head_dim 64, 128 or 256, at most 16 query heads per KV
+ * head (nh a multiple of nkv > 0). */
+int dfk_attention_shape_ok(int nh, int nkv, int hd);
 int dfk_attention(const float *q, int qstride, int gated, int nh, int nkv, int hd, const float *k_cache,
                   const float *v_cache, int causal, const int32_t *pos0, int M, int nchunk, float *part, float *out);
 
