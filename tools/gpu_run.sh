@@ -215,6 +215,19 @@ for s in $STEPS; do
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --print-summary per-kernel \
       "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 64 --gen 8 --no-verify-curve --repeats 1 > "$OUT/ncud.log" 2>&1
     grep -E "^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes_read" "$OUT/ncud.log" | head -80 | tee -a "$OUT/summary.txt" ;;
+  ncustep)
+    # ncu on the decode step's small kernels (NCU_KERNELS, default GDN and the input preparation)
+    # of dflash bench at context 16 (launches past the prefill: NCU_SKIP), then the source
+    # counters of the first of them (CSV, for tools' offline reading)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:"${NCU_KERNELS:-k_gdn_fused|k_qprep_fast}" --launch-skip ${NCU_SKIP:-600} --launch-count ${NCU_COUNT:-4} \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 16 --gen 8 --no-verify-curve --repeats 1 > "$OUT/ncustep.log" 2>&1
+    grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncustep.log" | head -400 | tee -a "$OUT/summary.txt"
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:"${NCU_SRC:-k_gdn_fused}" --launch-skip ${NCU_SKIP:-600} --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --import-source no --page source --csv --print-source sass \
+      "$BIN/dflash-gpu" bench --model /tmp/p27t --ctx 16 --gen 8 --no-verify-curve --repeats 1 > "$OUT/ncustep_src.csv" 2> "$OUT/ncustep_src.err"
+    wc -l "$OUT/ncustep_src.csv" | tee -a "$OUT/summary.txt" ;;
   ncusrc)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 300 "$NCU" --clock-control none --kernel-name regex:${NCU_KERNELS:-k_lin_qb} --launch-skip 2 --launch-count 1 \

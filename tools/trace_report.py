@@ -76,6 +76,8 @@ def main():
     ap.add_argument("--step", default="-2", help="steps to report (split at k_embed), comma-separated; negative: from the end"
                     " (-1: the last, which ends at the trace's last launch)")
     ap.add_argument("--list", type=int, default=60, help="launches of the step listed one by one")
+    ap.add_argument("--phases", action="store_true", help="per kernel, the phase records (kind 2) of its CTAs: "
+                    "microseconds after the launch's ready, mean and max over CTAs and launches")
     ap.add_argument("--cut", nargs=2, metavar=("N", "OUT"), help="write the last N records as a trace file OUT and exit")
     a = ap.parse_args()
     names = {0: kernel_names(os.path.join(a.src, "cuda_kernels.cu")), 10000: kernel_names(os.path.join(a.src, "cuda_qlin.cu"))}
@@ -103,13 +105,18 @@ def main():
     for idx in np.split(order, cut):
         k0 = idx[recs["kind"][idx] == 0]
         k1 = idx[recs["kind"][idx] == 1]
+        k2 = idx[recs["kind"][idx] == 2]
         if len(k0) == 0:
             continue
+        ready = float(t[k0].min())
+        phases = collections.defaultdict(list)  # kind 2 records: aux (the phase) -> times after ready
+        for r in k2:
+            phases[int(recs["aux"][r])].append(float(t[r]) - ready)
         launches.append({"name": name(int(recs["site"][k0[0]])), "ctas": len(k0), "start": float(start[k0].min()),
                          "ready": float(t[k0].min()), "ready_last": float(t[k0].max()),
                          "end_first": float(t[k1].min()) if len(k1) else None,
                          "end": float(t[k1].max()) if len(k1) else None,
-                         "kb": int(recs["aux"][k1[0]]) if len(k1) else 0})
+                         "kb": int(recs["aux"][k1[0]]) if len(k1) else 0, "phases": phases})
     seq = sorted(launches, key=lambda L: L["ready"])
     starts = [i for i, L in enumerate(seq) if L["name"] == "k_embed"]
     if not starts:
@@ -168,6 +175,19 @@ def report(step, k, nsteps, nrecs, nseq, f, a):
               " last CTA minus first CTA end %.1f us; next kernel ready after the end %.1f us; CTAs started before ready %.1f us"
               % (lin["n"], lin["span"] / 1e3, lin["own"] / 1e3, lin["floor"] / 1e3, 100 * lin["floor"] / max(lin["own"], 1),
                  lin["tail"] / 1e3, lin["after"] / 1e3, lin["pre"] / 1e3))
+    if a.phases:
+        ph = collections.OrderedDict()
+        for i in range(len(step) - 1):
+            L, N = step[i], step[i + 1]
+            for aux, ts in L["phases"].items():
+                P = ph.setdefault((L["name"], aux), [[], [], []])
+                P[0].extend(ts)
+                P[1].append(max(ts))
+                P[2].append(N["ready"] - L["ready"])
+        print("phases (us after the launch's ready: mean over CTAs, mean of the last CTA, mean span to the next ready):")
+        for (nm, aux), (ts, last, span) in sorted(ph.items()):
+            print("  %-22s phase %2d: %6.2f  last %6.2f  span %6.2f  (%d launches)" % (
+                nm, aux, sum(ts) / len(ts) / 1e3, sum(last) / len(last) / 1e3, sum(span) / len(span) / 1e3, len(last)))
     if a.list:
         print("first %d launches of the step (us from the step's start):" % a.list)
         for r in rows[:a.list]:

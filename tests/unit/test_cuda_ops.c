@@ -1037,6 +1037,10 @@ static void test_gdn(void **state) {
     NEED_GPU();
     gdn_case(2, 4, 64, 64);     /* tiny */
     gdn_case(16, 48, 128, 128); /* 27B */
+    /* more heads than the device holds at once, 64 value heads per key head: the blocks of a
+     * key head run in different waves, and each must read the shared q/k conv windows as they
+     * were before the step, never as a sibling that already finished advanced them in place */
+    gdn_case(32, 2048, 32, 32);
 }
 
 /* DFlash2 grouped dynamic convolution: equals the CPU backend; rows are causal (a prefix of

@@ -1693,6 +1693,13 @@ struct gdn_fconv {
     int K;
 };
 
+/* Tickets of k_gdn_fused's key heads (at most GDN_MAX_KH): the blocks of a key head's value
+ * heads count in as they finish; the last in writes the head's q/k conv windows and sets the
+ * count back to zero (launches of the stream run one after the other past their waits, so one
+ * array serves every launch). */
+#define GDN_MAX_KH DFK_GDN_MAX_KH
+static __device__ unsigned g_gdn_tickets[GDN_MAX_KH];
+
 template <int SPT, bool FUSED, int KMC = GDN_MAX_K>
 static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
                                                      const float *b, const float *A_log, const float *dt_bias,
@@ -1711,6 +1718,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     float *cbuf = dec + GDN_RB;      /* FUSED: [GDN_RB][2·DK + dv], this head's conv outputs */
     const int j = blockIdx.x, kh = j / (nv / nk);
     const int tid = threadIdx.x, v = tid % dv, grp = tid / dv, lane = tid & 31, warp = tid >> 5;
+    DFK_TR_PHASES_BEGIN(); /* phases: 1 conv, 2 q/k and gates, 3 recurrence, 4 norm, 5 stores */
     const int nwarps = (int)(blockDim.x >> 5);
     const int Kd = nk * DK, Vd = nv * dv, C = 2 * Kd + Vd;
     const float *Sj_in = S_in + (size_t)j * (size_t)DK * (size_t)dv;
@@ -1751,6 +1759,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
         if constexpr (FUSED) {
             if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
             __syncthreads();
+            DFK_TR_PHASE(0, 1);
         }
         for (int r = warp; r < nb; r += nwarps) {
             const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
@@ -1788,6 +1797,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
         }
         __syncthreads();
+        DFK_TR_PHASE(0, 2);
         const float *vcol = FUSED ? NULL : conv_out + 2 * (size_t)Kd + (size_t)j * (size_t)dv + (size_t)v;
         float vin_n = FUSED ? cbuf[2 * DK + v] : __ldcg(&vcol[(size_t)m0 * (size_t)C]);
         for (int r = 0; r < nb; r++) {
@@ -1816,6 +1826,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             __syncthreads();
             if (grp == 0) osm[r * dv + v] = ((part2[v] + part2[dv + v]) + part2[2 * dv + v]) + part2[3 * dv + v];
         }
+        DFK_TR_PHASE(0, 3);
         if (out) {
             __syncthreads(); /* osm */
             for (int r = warp; r < nb; r += nwarps) {
@@ -1834,13 +1845,35 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
         }
         __syncthreads(); /* the batch's shared arrays are rewritten by the next */
+        DFK_TR_PHASE(0, 4);
     }
 #pragma unroll
     for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
-    /* FUSED: the advanced conv states; a q/k channel is shared by the nv/nk heads of its key
-     * head (all compute the same window), the first of them writes it */
-    if constexpr (FUSED)
-        if (tid < nch && (tid >= 2 * DK || j % (nv / nk) == 0)) gdn_conv_store(C, fc.K, cch, cwin, fc.state);
+    /* FUSED: the advanced conv states. A q/k channel is shared by the R = nv/nk heads of its key
+     * head, which all read its window and compute the same advanced one; with the states in
+     * place, it may be written only once every one of them has read it, and a block of the
+     * launch may start after another has ended (more heads than the device holds at once): so
+     * the last of the R blocks to finish writes it (a ticket per key head; each block's window
+     * loads were consumed by its conv, before the batch loop's last barrier, then come thread 0's
+     * fence and ticket). */
+    if constexpr (FUSED) {
+        __shared__ int last_in;
+        const unsigned R = (unsigned)(nv / nk);
+        if (R > 1) {
+            if (tid == 0) {
+                __threadfence();
+                const unsigned t = atomicAdd(&g_gdn_tickets[kh], 1u);
+                last_in = t == R - 1;
+                if (t == R - 1) {
+                    g_gdn_tickets[kh] = 0u;
+                    __threadfence();
+                }
+            }
+            __syncthreads();
+        }
+        if (tid < nch && (tid >= 2 * DK || R == 1 || last_in)) gdn_conv_store(C, fc.K, cch, cwin, fc.state);
+    }
+    DFK_TR_PHASE(0, 5);
 }
 
 template <int SPT>
@@ -1936,7 +1969,7 @@ extern "C" int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const
                              float *S, float *out, int pre) {
     const int threads = 4 * dv;
     if (K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads ||
-        nv % nk != 0 || 2 * dk + dv > threads)
+        nv % nk != 0 || 2 * dk + dv > threads || nk > GDN_MAX_KH)
         return -1;
     const size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
     return K <= 4 ? gdn_fused_launch<4>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b, A_log,

@@ -301,7 +301,10 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
  * channels into shared memory: the same bits as the two calls); no conv_out scratch. pre = 1:
  * the states S_in and conv_in are read before waiting for the previous kernel (programmatic
  * dependent launch), which the caller allows only where no kernel since the last host
- * synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds 4·dv). */
+ * synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds 4·dv,
+ * or nk exceeds DFK_GDN_MAX_KH). In place (conv_in == conv_state), a key head's q/k windows
+ * are written by the last of its value heads' blocks to finish. */
+#define DFK_GDN_MAX_KH 1024
 int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                   const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                   const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in, float *S,

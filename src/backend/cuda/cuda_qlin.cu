@@ -457,6 +457,7 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     __shared__ float red[8];
     __shared__ float xs[1024];
     const dfk_tr_start trs = dfk_tr_begin();
+    DFK_TR_PHASES_BEGIN();
     pdl_trigger();
     float4 nwv, sgv;
     q_prep_consts(norm_w, P.o[blockIdx.z], blockIdx.y * seg, seg, nwv, sgv);
@@ -464,6 +465,7 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     q_prep_block(x, up, norm_w, eps, cols, seg, h, xb, P.o[blockIdx.z], blockIdx.x, blockIdx.y * seg, blockIdx.z, red,
                  xs, nwv, sgv);
+    DFK_TR_PHASE(10000, 9); /* the block's stores issued */
 }
 
 extern "C" int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, int M, int cols, int seg,

@@ -74,4 +74,17 @@ static __device__ __forceinline__ void dfk_tr_mark(const dfk_tr_start &s, unsign
 
 #define DFK_TR_SITE(base) ((unsigned)(base) + (unsigned)__LINE__)
 
+/* Phase records for experiments, compiled in only with -DDFLASH_TRACE_PHASES (CMAKE_CUDA_FLAGS):
+ * DFK_TR_PHASES_BEGIN() at a kernel's start, then DFK_TR_PHASE(base, n) appends a record of
+ * kind 2 with aux = n (tools/trace_report.py --phases: microseconds after the launch's ready).
+ * Each costs thread 0 an atomic on the trace counter, which delays its warp: compare phases
+ * with each other, not a traced span with an untraced one. */
+#ifdef DFLASH_TRACE_PHASES
+#define DFK_TR_PHASES_BEGIN() const dfk_tr_start dfk_trs_phases = dfk_tr_begin()
+#define DFK_TR_PHASE(base, n) dfk_tr_mark(dfk_trs_phases, DFK_TR_SITE(base), 2, (n))
+#else
+#define DFK_TR_PHASES_BEGIN() ((void)0)
+#define DFK_TR_PHASE(base, n) ((void)0)
+#endif
+
 #endif
