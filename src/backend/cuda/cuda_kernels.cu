@@ -1734,6 +1734,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     const int nch = 2 * DK + dv;
     const int cch = tid < DK ? kh * DK + tid : (tid < 2 * DK ? Kd + kh * DK + (tid - DK) : 2 * Kd + j * dv + (tid - 2 * DK));
     float cwin[KMC], cwk[KMC];
+    unsigned ticket = 0;
     if constexpr (FUSED)
         if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
     /* pdl_site (the calling kernel's trace site, DFK_TR_SITE: never 0): the states and weights
@@ -1760,6 +1761,9 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
             __syncthreads();
             DFK_TR_PHASE(0, 1);
+            /* the windows are read (their values used by the conv, before the barrier): this
+             * block's ticket of its key head (its value needed only at the end) */
+            if (m0 == 0 && tid == 0 && nv > nk) ticket = atomicAdd(&g_gdn_tickets[kh], 1u);
         }
         for (int r = warp; r < nb; r += nwarps) {
             const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
@@ -1853,21 +1857,17 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
      * head, which all read its window and compute the same advanced one; with the states in
      * place, it may be written only once every one of them has read it, and a block of the
      * launch may start after another has ended (more heads than the device holds at once): so
-     * the last of the R blocks to finish writes it (a ticket per key head; each block's window
-     * loads were consumed by its conv, before the batch loop's last barrier, then come thread 0's
-     * fence and ticket). */
+     * the last of the R blocks to take a ticket writes it (a ticket per key head, taken once the
+     * block's conv has used its window values: a load whose value was used cannot see a later
+     * store; the last one sets the count back to zero for the next launch, which reaches its
+     * tickets only after this launch has ended). */
     if constexpr (FUSED) {
         __shared__ int last_in;
         const unsigned R = (unsigned)(nv / nk);
         if (R > 1) {
             if (tid == 0) {
-                __threadfence();
-                const unsigned t = atomicAdd(&g_gdn_tickets[kh], 1u);
-                last_in = t == R - 1;
-                if (t == R - 1) {
-                    g_gdn_tickets[kh] = 0u;
-                    __threadfence();
-                }
+                last_in = ticket == R - 1;
+                if (ticket == R - 1) g_gdn_tickets[kh] = 0u;
             }
             __syncthreads();
         }
