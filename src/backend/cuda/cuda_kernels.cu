@@ -1694,9 +1694,9 @@ struct gdn_fconv {
 };
 
 /* Tickets of k_gdn_fused's key heads (at most GDN_MAX_KH): the blocks of a key head's value
- * heads count in as they finish; the last in writes the head's q/k conv windows and sets the
- * count back to zero (launches of the stream run one after the other past their waits, so one
- * array serves every launch). */
+ * heads count in once their conv has used the head's q/k windows; the last in writes the
+ * advanced windows at its end and sets the count back to zero (launches of the stream run one
+ * after the other past their waits, so one array serves every launch). */
 #define GDN_MAX_KH DFK_GDN_MAX_KH
 static __device__ unsigned g_gdn_tickets[GDN_MAX_KH];
 
