@@ -77,7 +77,7 @@ def main():
                     " (-1: the last, which ends at the trace's last launch)")
     ap.add_argument("--list", type=int, default=60, help="launches of the step listed one by one")
     ap.add_argument("--phases", action="store_true", help="per kernel, the phase records (kind 2) of its CTAs: "
-                    "microseconds after the launch's ready, mean and max over CTAs and launches")
+                    "microseconds after the launch's ready: the mean over CTAs and launches, the mean of each launch's last CTA")
     ap.add_argument("--cut", nargs=2, metavar=("N", "OUT"), help="write the last N records as a trace file OUT and exit")
     a = ap.parse_args()
     names = {0: kernel_names(os.path.join(a.src, "cuda_kernels.cu")), 10000: kernel_names(os.path.join(a.src, "cuda_qlin.cu"))}
