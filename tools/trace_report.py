@@ -2,7 +2,7 @@
 """Reads a kernel timeline written with DFLASH_CUDA_TRACE=FILE (src/backend/cuda/cuda_trace.cuh)
 and prints where the time of one decode step goes, launch by launch, in place.
 
-Usage: tools/trace_report.py FILE [--src DIR] [--gbps 4280] [--step -2,-1] [--list N] [--cut N OUT]
+Usage: tools/trace_report.py FILE [--src DIR] [--gbps 4280] [--step -2,-1] [--list N] [--phases] [--cut N OUT]
 (needs numpy: the GPU machine's Python has it; `tools/gpu_run.sh trace` runs it there)
 
 Times: the global timer of each record (32 ns ticks on the H200); a CTA's start is its record
