@@ -581,6 +581,17 @@ static int parse_output_options(df_api_request *req, const df_api_context *ctx, 
         if (kw) {
             if (!json_is_object(kw)) return type_error(e, "chat_template_kwargs", "an object", kw);
             if (get_bool(kw, "enable_thinking", "chat_template_kwargs.enable_thinking", &b, e)) return -1;
+            /* the template variables the request's own fields set */
+            static const char *const own[] = {"messages", "tools", "add_generation_prompt"};
+            for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+                if (json_object_get(kw, own[i])) {
+                    char param[64];
+                    snprintf(param, sizeof param, "chat_template_kwargs.%s", own[i]);
+                    return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                            "Invalid '%s': the request's '%s' field sets it; it may not be given "
+                                            "here.",
+                                            param, own[i]);
+                }
         }
     } else {
         long long top = 0;
@@ -1031,7 +1042,10 @@ json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info 
             json_t *tt, *tb;
             token_text(tok, info[i].top[k].id, &tt, &tb);
             json_decref(tb);
-            if (tt) json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
+            /* tokens of the same text (byte pieces that each show as U+FFFD) share a key: it keeps
+             * the first, most likely one's value, so the map stays in descending order */
+            if (tt && !json_object_get(top, json_string_value(tt)))
+                json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
             json_decref(tt);
         }
         json_array_append_new(tops, top);

@@ -152,8 +152,10 @@ MALFORMED = [
     ("enable_thinking a string", {"messages": MSG, "enable_thinking": "yes"}, 400, "invalid_type", "enable_thinking"),
     ("chat_template_kwargs a list", {"messages": MSG, "chat_template_kwargs": []}, 400, "invalid_type",
      "chat_template_kwargs"),
-    ("kwargs set messages", {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_error",
-     "messages"),
+    ("kwargs set messages", {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "invalid_value",
+     "chat_template_kwargs.messages"),
+    ("kwargs set add_generation_prompt", {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "invalid_value", "chat_template_kwargs.add_generation_prompt"),
     # tools
     ("tools an object", {"messages": MSG, "tools": {"a": 1}}, 400, "invalid_type", "tools"),
     ("tool not an object", {"messages": MSG, "tools": [1]}, 400, "invalid_type", "tools[0]"),

@@ -517,6 +517,34 @@ static void test_text_offset_after_unfinished_utf8(void **state) {
     assert_int_equal(o[1], 1);
 }
 
+/* Completions top_logprobs: two candidates whose text is the same (lone bytes that each show as
+ * U+FFFD) share a key, which keeps the first (most likely) one's value. */
+static void test_top_logprobs_shared_text(void **state) {
+    prompt_fixture *f = *state;
+    df_token_info info;
+    memset(&info, 0, sizeof info);
+    const int32_t a = df_tokenizer_token_id(f->tok, "\u00e2"), b = df_tokenizer_token_id(f->tok, "\u00e0");
+    assert_true(a >= 0 && b >= 0 && a != b);
+    info.id = b;
+    info.logprob = -2.5f;
+    info.n_top = 3;
+    info.top[0].id = a;
+    info.top[0].logprob = -1.0f;
+    info.top[1].id = b;
+    info.top[1].logprob = -2.5f;
+    info.top[2].id = df_tokenizer_token_id(f->tok, "h");
+    info.top[2].logprob = -3.0f;
+    df_api_text_offset off;
+    df_api_text_offset_init(&off, NULL, 0, 1);
+    json_t *lp = df_api_completion_logprobs(f->tok, &info, 1, &off);
+    assert_non_null(lp);
+    json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), 0);
+    assert_int_equal(json_object_size(top), 2);
+    assert_true(json_real_value(json_object_get(top, "\xef\xbf\xbd")) == -1.0);
+    assert_true(json_real_value(json_object_get(top, "h")) == -3.0);
+    json_decref(lp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loading_state),
@@ -529,6 +557,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_prompt_untrusted_text, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_prompt_tool_choice, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_text_offset_after_unfinished_utf8, prompt_setup, prompt_teardown),
+        cmocka_unit_test_setup_teardown(test_top_logprobs_shared_text, prompt_setup, prompt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
