@@ -1546,7 +1546,7 @@ static int run_gdn(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn *g = args;
     const gdn_dims *d = &g->d;
-    if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH)
+    if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH && d->M >= 1)
         return dfk_gdn_fused(g->qkv, g->cw, d->K, g->conv_in, g->conv_state, g->z, g->a, g->b, g->al, g->dt, g->nw,
                              d->nk, d->nv, d->dk, d->dv, d->eps, d->M, g->S_in, g->S, g->out, g->pre);
     int st = dfk_gdn_conv(g->qkv, g->cw, d->C, d->K, d->M, g->conv_in, g->conv_state, g->conv_out);

@@ -1762,8 +1762,12 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             __syncthreads();
             DFK_TR_PHASE(0, 1);
             /* the windows are read (their values used by the conv, before the barrier): this
-             * block's ticket of its key head (its value needed only at the end) */
-            if (m0 == 0 && tid == 0 && nv > nk) ticket = atomicAdd(&g_gdn_tickets[kh], 1u);
+             * block's ticket of its key head (its value needed only at the end), after a fence
+             * that orders the block's window loads before it */
+            if (m0 == 0 && tid == 0 && nv > nk) {
+                __threadfence();
+                ticket = atomicAdd(&g_gdn_tickets[kh], 1u);
+            }
         }
         for (int r = warp; r < nb; r += nwarps) {
             const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
@@ -1858,8 +1862,8 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
      * place, it may be written only once every one of them has read it, and a block of the
      * launch may start after another has ended (more heads than the device holds at once): so
      * the last of the R blocks to take a ticket writes it (a ticket per key head, taken once the
-     * block's conv has used its window values: a load whose value was used cannot see a later
-     * store; the last one sets the count back to zero for the next launch, which reaches its
+     * block's conv has used its window values, after a fence; the last one fences again before
+     * its stores, and sets the count back to zero for the next launch, which reaches its
      * tickets only after this launch has ended). */
     if constexpr (FUSED) {
         __shared__ int last_in;
@@ -1867,7 +1871,10 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
         if (R > 1) {
             if (tid == 0) {
                 last_in = ticket == R - 1;
-                if (ticket == R - 1) g_gdn_tickets[kh] = 0u;
+                if (ticket == R - 1) {
+                    g_gdn_tickets[kh] = 0u;
+                    __threadfence();
+                }
             }
             __syncthreads();
         }
@@ -1969,7 +1976,7 @@ extern "C" int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const
                              float *S, float *out, int pre) {
     const int threads = 4 * dv;
     if (K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads ||
-        nv % nk != 0 || 2 * dk + dv > threads || nk > GDN_MAX_KH)
+        nv % nk != 0 || 2 * dk + dv > threads || nk > GDN_MAX_KH || M < 1)
         return -1;
     const size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
     return K <= 4 ? gdn_fused_launch<4>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b, A_log,

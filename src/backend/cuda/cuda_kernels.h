@@ -302,9 +302,9 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
  * the states S_in and conv_in are read before waiting for the previous kernel (programmatic
  * dependent launch), which the caller allows only where no kernel since the last host
  * synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds 4·dv,
- * or nk exceeds DFK_GDN_MAX_KH). A key head's q/k windows are written by the last of its value
- * heads' blocks to have used them (so in place, conv_in == conv_state, no block reads a window
- * a sibling already advanced, in whatever order the blocks run). */
+ * nk exceeds DFK_GDN_MAX_KH, or M < 1). A key head's q/k windows are written by the last of
+ * its value heads' blocks to have used them (so in place, conv_in == conv_state, no block
+ * reads a window a sibling already advanced, in whatever order the blocks run). */
 #define DFK_GDN_MAX_KH 1024
 int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                   const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
