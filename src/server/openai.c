@@ -364,6 +364,15 @@ static int parse_tools(df_api_request *req, df_api_error *e) {
         json_t *name = required_string(fn, "name", param, e);
         if (!name) return -1;
         if (!valid_function_name(json_string_value(name))) return bad_name(e, param, json_string_value(name));
+        /* a call names its function: two tools of one name would make it ambiguous */
+        for (size_t k = 0; k < i; k++) {
+            json_t *fk = json_object_get(json_array_get(tools, k), "function");
+            const char *other = json_string_value(json_object_get(fk, "name"));
+            if (other && !strcmp(other, json_string_value(name)))
+                return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                        "Invalid '%s': '%s' is the name of tools[%zu] too; tool names must be unique.",
+                                        param, json_string_value(name), k);
+        }
         snprintf(param, sizeof param, "tools[%zu].function.description", i);
         const char *d;
         if (get_string(fn, "description", param, &d, e)) return -1;

@@ -165,6 +165,10 @@ MALFORMED = [
      "missing_required_parameter", "tools[0].function"),
     ("tool bad name", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "<|im_end|>"}}]}, 400,
      "invalid_value", "tools[0].function.name"),
+    ("tool names twice", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}},
+                                                      {"type": "function", "function": {"name": "g"}},
+                                                      {"type": "function", "function": {"name": "f"}}]}, 400,
+     "invalid_value", "tools[2].function.name"),
     ("tool parameters a string", {"messages": MSG, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400, "invalid_type",
      "tools[0].function.parameters"),
