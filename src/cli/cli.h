@@ -114,6 +114,10 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
 struct json_t;
 void cli_note_ignored_fields(const char *cmd, const char *path, struct json_t *root);
 
+/* A note on stderr ("dflash CMD: note: ...") when --threads asks for more threads than the CPUs
+ * online: allowed, but compute threads beyond the CPUs take turns and slow decoding down. */
+void cli_note_threads(const char *cmd, int threads);
+
 /* The speculative decoding options shared by generate and serve (cli_opt table entries):
  * drafter (const char *), spec (df_spec_params), window (int), no_draft (int), quant (int). */
 #define CLI_DRAFT_OPTIONS(drafter, spec, window, no_draft, quant)                                                   \

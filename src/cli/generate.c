@@ -178,6 +178,7 @@ int cmd_generate(int argc, char **argv) {
     json_t *message = NULL;
     df_gen_result res = {0};
     rc = CLI_EXIT_FAIL;
+    cli_note_threads("generate", threads);
     df_engine_options eo = {.n_threads = threads, .device = device};
     if (df_engine_load(&eng, dir, &eo, &err) != DF_OK) {
         cli_error("generate", "%s", err.msg);

@@ -1,5 +1,6 @@
 /* dflash command line: option parsing, --help, model folder resolution (see cli.h). */
 #include "cli/cli.h"
+#include "core/threads.h"
 
 #include "dflash/speculative.h"
 #include "dflash/tokenizer.h"
@@ -41,6 +42,15 @@ int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text) {
 }
 
 int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }
+
+void cli_note_threads(const char *cmd, int threads) {
+    const int cpus = df_cpu_count();
+    if (threads > cpus)
+        fprintf(stderr,
+                "dflash %s: note: --threads %d is more than the %d CPU%s online; the extra threads take turns and "
+                "slow decoding down\n",
+                cmd, threads, cpus, cpus == 1 ? "" : "s");
+}
 
 int cli_args_split(cli_args *out, int argc, char **argv) {
     memset(out, 0, sizeof *out);

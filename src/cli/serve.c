@@ -177,6 +177,7 @@ int cmd_serve(int argc, char **argv) {
     so.api_key = api_key;
     so.model_dir = dir;
     so.n_threads = threads;
+    cli_note_threads("serve", threads);
     so.device = device;
     so.ctx_size = ctx_size;
     so.max_tokens = max_tokens;

@@ -311,6 +311,16 @@ def test_top_p_range_matches_the_server():
     assert p.returncode == 2 and "from 1024 to 1073741824" in p.stderr, p.stderr
 
 
+def test_more_threads_than_cpus_is_a_note():
+    """--threads above the CPUs online runs, with a note on stderr saying it slows decoding."""
+    n = (os.cpu_count() or 1) + 1
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--threads", str(n))
+    assert p.returncode == 0, p.stderr
+    assert f"--threads {n} is more than the" in p.stderr, p.stderr
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--threads", "1")
+    assert p.returncode == 0 and "more than the" not in p.stderr, p.stderr
+
+
 def test_unknown_option_names_it():
     p = run_cli("generate", "--chat", "hi", "--frobnicate", "3")
     assert p.returncode == 2
