@@ -103,6 +103,7 @@ struct df_server_stream {
     double prompt_ms, decode_ms;
     int draft_rounds, draft_n, draft_accepted, plain_steps;
     double draft_ms, verify_ms; /* speculative rounds: drafter and verify passes, wall time */
+    double run_ms;                /* df_now_ms() when the worker took it from the queue */
     char note[160];               /* error summary for the log */
     int stream_error;             /* status of the error that ended a started stream (its client
                                    * got 200, then an error event); 0: none */
@@ -169,6 +170,13 @@ void *df_worker_main(void *arg);
 /* Queues j (taking a reference for the worker). Returns 0, or -1 with e set (503: queue full
  * or shutting down). */
 int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e);
+/* Seconds a request turned away now would wait for a place, for Retry-After (1..60): the
+ * running job's remainder, taken as avg_s − running_s while it is shorter than a job on average
+ * (avg_s: the running mean, 0 before any) and as running_s once it is longer (a job that has run
+ * long tends to run as long again), plus avg_s for each of the n_waiting queued jobs and for the
+ * place itself; running_s < 0: none is running. */
+int df_queue_retry_after(double avg_s, double running_s, int n_waiting);
+
 /* Removes the waiting jobs whose client has gone (each answered 499 and logged, as the worker
  * would when reaching it); called before enqueueing and before /metrics reports the queue
  * depth. Returns how many were removed. */

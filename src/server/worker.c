@@ -63,6 +63,12 @@ static int load_model(df_server *srv) {
 
 /* ---- queue -------------------------------------------------------------------------- */
 
+int df_queue_retry_after(double avg_s, double running_s, int n_waiting) {
+    double wait = avg_s * (double)(n_waiting + 1);
+    if (running_s >= 0) wait += running_s < avg_s ? avg_s - running_s : running_s;
+    return wait < 1 ? 1 : wait > 60 ? 60 : (int)ceil(wait);
+}
+
 int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e) {
     df_queue_prune(srv); /* clients that left while waiting free their places first */
     pthread_mutex_lock(&srv->qlock);
@@ -73,8 +79,8 @@ int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e) {
         pthread_mutex_lock(&srv->metrics.lock);
         double avg = srv->metrics.avg_job_s;
         pthread_mutex_unlock(&srv->metrics.lock);
-        double wait = avg * (srv->n_waiting + 1);
-        j->retry_after = wait < 1 ? 1 : wait > 60 ? 60 : (int)ceil(wait);
+        const double running = srv->running ? (df_now_ms() - srv->running->run_ms) / 1000.0 : -1.0;
+        j->retry_after = df_queue_retry_after(avg, running, srv->n_waiting);
         rc = df_api_error_set(e, 503, "server_error", "queue_full", NULL,
                               "The server is busy: %d request%s waiting (the limit). Retry after %d s.",
                               srv->n_waiting, srv->n_waiting == 1 ? " is" : "s are", j->retry_after);
@@ -102,6 +108,7 @@ static df_job *dequeue(df_server *srv) {
         srv->qhead = j->next;
         if (!srv->qhead) srv->qtail = NULL;
         srv->n_waiting--;
+        j->run_ms = df_now_ms();
         srv->running = j;
     }
     pthread_mutex_unlock(&srv->qlock);

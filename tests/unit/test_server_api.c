@@ -10,6 +10,7 @@
 #include "dflash/server.h"
 #include "server/openai.h"
 #include "server/prompt.h"
+#include "server/server_impl.h"
 #include "support.h"
 
 static df_server *new_server(const char *api_key) {
@@ -545,6 +546,18 @@ static void test_top_logprobs_shared_text(void **state) {
     json_decref(lp);
 }
 
+/* Retry-After of a full queue: the running job's remainder (the mean less its time so far, or,
+ * once it has run longer than the mean, as long again), then the mean per queued job and for
+ * the place itself; 1..60 s. */
+static void test_queue_retry_after(void **state) {
+    (void)state;
+    assert_int_equal(df_queue_retry_after(0.0, -1.0, 16), 1);     /* no job seen yet */
+    assert_int_equal(df_queue_retry_after(0.1, -1.0, 16), 2);     /* 17 × 0.1 */
+    assert_int_equal(df_queue_retry_after(2.0, 0.5, 1), 6);       /* 1.5 + 2 × 2 */
+    assert_int_equal(df_queue_retry_after(0.1, 3.0, 16), 5);      /* a long prefill: 3 + 1.7 */
+    assert_int_equal(df_queue_retry_after(10.0, 40.0, 16), 60);   /* capped */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loading_state),
@@ -558,6 +571,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_prompt_tool_choice, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_text_offset_after_unfinished_utf8, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_top_logprobs_shared_text, prompt_setup, prompt_teardown),
+        cmocka_unit_test(test_queue_retry_after),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
