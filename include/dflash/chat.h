@@ -96,6 +96,12 @@ df_status df_chat_render(const df_chat_template *t, const json_t *request, const
 
 void df_chat_prompt_free(df_chat_prompt *p);
 
+/* The first template variable that a request's own fields set (messages, tools,
+ * add_generation_prompt) and that kwargs (a request's chat_template_kwargs object) names, or
+ * NULL (also when kwargs is not an object). df_chat_render refuses such kwargs; request
+ * validators use it to name the field. */
+const char *df_chat_kwargs_reserved(const json_t *kwargs);
+
 /* ==== output parsing ==================================================================== */
 
 typedef struct df_chat_parse_options {

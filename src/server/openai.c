@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "decode/textout.h"
+#include "dflash/chat.h"
 #include "text/jinja_internal.h"
 
 int df_api_error_set(df_api_error *e, int status, const char *type, const char *code, const char *param,
@@ -590,17 +591,14 @@ static int parse_output_options(df_api_request *req, const df_api_context *ctx, 
         if (kw) {
             if (!json_is_object(kw)) return type_error(e, "chat_template_kwargs", "an object", kw);
             if (get_bool(kw, "enable_thinking", "chat_template_kwargs.enable_thinking", &b, e)) return -1;
-            /* the template variables the request's own fields set */
-            static const char *const own[] = {"messages", "tools", "add_generation_prompt"};
-            for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
-                if (json_object_get(kw, own[i])) {
-                    char param[64];
-                    snprintf(param, sizeof param, "chat_template_kwargs.%s", own[i]);
-                    return df_api_error_set(e, 400, INVALID, "invalid_value", param,
-                                            "Invalid '%s': the request's '%s' field sets it; it may not be given "
-                                            "here.",
-                                            param, own[i]);
-                }
+            const char *own = df_chat_kwargs_reserved(kw); /* a variable the request's own field sets */
+            if (own) {
+                char param[64];
+                snprintf(param, sizeof param, "chat_template_kwargs.%s", own);
+                return df_api_error_set(e, 400, INVALID, "invalid_value", param,
+                                        "Invalid '%s': the request's '%s' field sets it; it may not be given here.",
+                                        param, own);
+            }
         }
     } else {
         long long top = 0;

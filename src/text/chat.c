@@ -236,6 +236,14 @@ static int ends_with_open_think(const char *s, size_t n) {
     return n >= 7 && !memcmp(s + n - 7, "<think>", 7);
 }
 
+const char *df_chat_kwargs_reserved(const json_t *kwargs) {
+    static const char *const reserved[] = {"messages", "tools", "add_generation_prompt"};
+    if (!json_is_object(kwargs)) return NULL;
+    for (size_t k = 0; k < sizeof reserved / sizeof reserved[0]; k++)
+        if (json_object_get(kwargs, reserved[k])) return reserved[k];
+    return NULL;
+}
+
 df_status df_chat_render(const df_chat_template *t, const json_t *request, const df_chat_render_options *opt,
                          df_chat_prompt *out, df_error *err) {
     memset(out, 0, sizeof *out);
@@ -266,12 +274,11 @@ df_status df_chat_render(const df_chat_template *t, const json_t *request, const
     if (opt && opt->default_enable_thinking >= 0)
         json_object_set_new(vars, "enable_thinking", json_boolean(opt->default_enable_thinking));
     if (json_is_object(kwargs)) {
-        static const char *reserved[] = {"messages", "tools", "add_generation_prompt"};
-        for (size_t k = 0; k < sizeof reserved / sizeof reserved[0]; k++)
-            if (json_object_get(kwargs, reserved[k])) {
-                st = BAD("chat_template_kwargs.%s: may not be set here (use the request field)", reserved[k]);
-                goto done;
-            }
+        const char *reserved = df_chat_kwargs_reserved(kwargs);
+        if (reserved) {
+            st = BAD("chat_template_kwargs.%s: may not be set here (use the request field)", reserved);
+            goto done;
+        }
         json_object_update(vars, kwargs);
     }
     if (json_is_boolean(et)) json_object_set(vars, "enable_thinking", et);
