@@ -78,8 +78,9 @@ extern "C" void dfk_set_occupancy(int v) { g_occ = v == 3 ? 3 : 2; }
  * writes visible) before reading anything; every load of data an earlier kernel wrote goes
  * through L2 only (__ldcg: an SM's L1 may hold a line an older, overlapping kernel cached). */
 static __device__ __forceinline__ void k_pdl_begin_(unsigned site) {
-    const dfk_tr_start trs = dfk_tr_begin();
+    /* the trigger before the trace's load: the next kernel's launch waits for every CTA's */
     asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const dfk_tr_start trs = dfk_tr_begin();
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     dfk_tr_mark(trs, site, 0, 0);
 }

@@ -246,8 +246,8 @@ __global__ void __launch_bounds__(256) k_qprep(const float *x, const float *up,
                                                float *h, const __grid_constant__ qprep_args P) {
     extern __shared__ float sm[];
     __shared__ float red[8];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    pdl_trigger();
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     const int m = blockIdx.x, s0 = blockIdx.y * seg, oi = blockIdx.z, tid = threadIdx.x;
@@ -456,9 +456,9 @@ __global__ void __launch_bounds__(256) k_qprep_fast(const float *x, const float 
                                                     const __grid_constant__ qprep_args P) {
     __shared__ float red[8];
     __shared__ float xs[1024];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
     DFK_TR_PHASES_BEGIN();
-    pdl_trigger();
     float4 nwv, sgv;
     q_prep_consts(norm_w, P.o[blockIdx.z], blockIdx.y * seg, seg, nwv, sgv);
     pdl_wait();
@@ -899,8 +899,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
     constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC, GP = C::GP;
     __shared__ float red[8][TR * NT * 2][32];
     extern __shared__ __align__(16) unsigned char qsm[];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
     const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1310,8 +1310,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     constexpr int QS = R::QS, SLOT = R::SLOT;
     __shared__ float red[8][NT * 2][32];
     extern __shared__ __align__(16) unsigned char qsm[];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
     const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -1679,8 +1679,8 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     __shared__ float red[8][NT * 2][32];
     __shared__ qb_jump jump[8];
     extern __shared__ __align__(128) unsigned char qsm[];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    pdl_trigger();
     const int U = P.start[P.n], G = (int)gridDim.x, cta = (int)blockIdx.x;
     if (P.dn.n > 0) { /* this CTA's rider rows (after its units) into L2 now: weights, no wait */
         for (int r = cta; r < P.dn.start[P.dn.n]; r += G) {
@@ -2097,8 +2097,8 @@ static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sche
 /* One block (256 threads) per output row of one linear of the launch (dense_row). */
 __global__ void __launch_bounds__(256) k_lin_dense(const __grid_constant__ dlaunch P) {
     __shared__ float red[DFK_MAX_ROWS][8];
+    pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    pdl_trigger();
     int di = 0;
     while (di + 1 < P.n && (int)blockIdx.x >= P.start[di + 1]) di++;
     const int row = (int)blockIdx.x - P.start[di];

@@ -26,7 +26,12 @@ static int dfk_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
     cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-    if (e != cudaSuccess) return (int)e;
+    if (e != cudaSuccess) {
+        /* a failed launch also leaves its error as the thread's last error, where the next
+         * launch's check (of any backend of the process) would take it for its own */
+        (void)cudaGetLastError();
+        return (int)e;
+    }
     return (int)cudaGetLastError();
 }
 
