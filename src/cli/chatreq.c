@@ -11,26 +11,73 @@
 #include "cli/cli.h"
 #include "server/openai.h"
 
-/* A request file whose numbers the JSON parser cannot hold: its text as the server would read
- * it (a bare list of messages wrapped as {"messages": ...}), so that the error names the field
- * and its range as the server's does; any "model" is accepted. */
-static int read_raw_request(const char *cmd, const char *path, int vocab, df_api_request *req) {
-    enum { PRE = 13 }; /* room for {"messages": before the text, and } after it */
-    FILE *f = fopen(path, "rb");
+/* The most bytes of a request file (the server's default body limit is far below). */
+#define CLI_REQUEST_MAX ((size_t)256 << 20)
+
+/* Room kept before a request's text, for {"messages": (read_raw_request). */
+enum { PRE = 13 };
+
+/* The whole text of request file `path` ("-": standard input; pipes and other streams are read
+ * to their end, so `/dev/stdin` and `<(...)` work), at text + PRE, NUL-terminated, with PRE + 2
+ * bytes of room around it; *len: its length. NULL after an error message (a folder, an open or
+ * read error, more than CLI_REQUEST_MAX bytes). */
+static char *read_request_text(const char *cmd, const char *path, size_t *len) {
+    const int is_stdin = strcmp(path, "-") == 0;
     struct stat sb;
-    char *text = NULL;
-    size_t len = 0;
-    int ok = f && fstat(fileno(f), &sb) == 0 && (text = malloc((size_t)sb.st_size + PRE + 2)) != NULL;
-    if (ok) {
-        len = fread(text + PRE, 1, (size_t)sb.st_size, f);
-        ok = !ferror(f) && len == (size_t)sb.st_size;
+    if (!is_stdin && stat(path, &sb) != 0) {
+        cli_error(cmd, "%s: %s", path, strerror(errno));
+        return NULL;
     }
-    if (f) fclose(f);
-    if (!ok) {
+    if (!is_stdin && S_ISDIR(sb.st_mode)) {
+        cli_error(cmd, "%s: is a folder, not a request file", path);
+        return NULL;
+    }
+    FILE *f = is_stdin ? stdin : fopen(path, "rb");
+    if (!f) {
+        cli_error(cmd, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 65536, n = 0;
+    char *text = malloc(cap);
+    int too_big = 0;
+    while (text) {
+        if (PRE + n + 2 >= cap) {
+            if (cap > CLI_REQUEST_MAX) {
+                too_big = 1;
+                break;
+            }
+            char *t = realloc(text, cap * 2);
+            if (!t) {
+                free(text);
+                text = NULL;
+                break;
+            }
+            text = t;
+            cap *= 2;
+        }
+        const size_t k = fread(text + PRE + n, 1, cap - PRE - n - 2, f);
+        n += k;
+        if (k == 0) break;
+    }
+    const int bad = ferror(f);
+    if (!is_stdin) fclose(f);
+    if (!text || bad || too_big) {
+        if (!text) cli_error(cmd, "out of memory reading %s", path);
+        else if (too_big) cli_error(cmd, "%s: larger than %zu bytes", path, CLI_REQUEST_MAX);
+        else cli_error(cmd, "%s: cannot read the file", path);
         free(text);
-        cli_error(cmd, "%s: cannot read the file", path);
-        return -1;
+        return NULL;
     }
+    text[PRE + n] = 0;
+    *len = n;
+    return text;
+}
+
+/* A request whose numbers the JSON parser cannot hold: its text (read_request_text's) as the
+ * server would read it (a bare list of messages wrapped as {"messages": ...}), so that the
+ * error names the field and its range as the server's does; any "model" is accepted. */
+static int read_raw_request(const char *cmd, const char *path, char *text, size_t len, int vocab,
+                            df_api_request *req) {
     size_t i = 0;
     while (i < len && (text[PRE + i] == ' ' || text[PRE + i] == '\t' || text[PRE + i] == '\r' || text[PRE + i] == '\n'))
         i++;
@@ -46,24 +93,21 @@ static int read_raw_request(const char *cmd, const char *path, int vocab, df_api
     const int rc = df_api_request_parse(req, DF_API_CHAT, body, len, &ctx, &e);
     if (rc && e.param[0]) cli_error(cmd, "%s: %s (param %s)", path, e.message, e.param);
     else if (rc) cli_error(cmd, "%s: %s", path, e.message);
-    free(text);
     return rc;
 }
 
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab, df_api_request *req) {
-    struct stat sb;
-    if (stat(path, &sb) != 0) {
-        cli_error(cmd, "%s: %s", path, strerror(errno));
-        return -1;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        cli_error(cmd, "%s: not a regular file", path);
-        return -1;
-    }
+    size_t tlen = 0;
+    char *text = read_request_text(cmd, path, &tlen);
+    if (!text) return -1;
     json_error_t je;
-    json_t *root = json_load_file(path, JSON_DECODE_ANY, &je);
-    if (!root && (strstr(je.text, "too big") || strstr(je.text, "real number overflow")))
-        return read_raw_request(cmd, path, vocab, req); /* names the field and its range */
+    json_t *root = json_loadb(text + PRE, tlen, JSON_DECODE_ANY, &je);
+    if (!root && (strstr(je.text, "too big") || strstr(je.text, "real number overflow"))) {
+        const int rc = read_raw_request(cmd, path, text, tlen, vocab, req); /* names the field and its range */
+        free(text);
+        return rc;
+    }
+    free(text);
     if (!root) {
         if (je.line < 0) cli_error(cmd, "%s: %s", path, je.text);
         else if (strstr(je.text, "JSON_ALLOW_NUL"))

@@ -101,8 +101,9 @@ int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Reads a chat request file (an OpenAI chat-completions body, or a JSON array of messages)
- * and validates it as the server does (df_api_request_parse; the file's "model" is not
+/* Reads a chat request file (an OpenAI chat-completions body, or a JSON array of messages;
+ * path "-" = standard input, and pipes are read to their end) and validates it as the server
+ * does (df_api_request_parse; the file's "model" is not
  * checked). vocab bounds logit_bias ids. Prints the error (naming the file) and returns -1,
  * or 0 with *req filled (free with df_api_request_free). */
 struct df_api_request;

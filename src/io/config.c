@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/files.h"
 #include "dflash/pack.h"
 #include "io/io_internal.h"
 
@@ -32,8 +33,8 @@ char *df_path_join(const char *dir, const char *name) {
 
 df_status df_read_text_file(const char *path, size_t max_bytes, char **out, df_error *err) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return df_error_set(err, DF_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *f = df_fopen_regular(path, err);
+    if (!f) return err ? err->code : DF_ERR_IO;
     size_t cap = 4096, n = 0;
     char *buf = malloc(cap);
     df_status st = DF_OK;

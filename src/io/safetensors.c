@@ -12,6 +12,8 @@
  */
 #include "dflash/safetensors.h"
 
+#include "core/files.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -467,14 +469,11 @@ static df_status add_file(df_tensor_set *s, const char *path, df_error *err) {
     if (!f->path) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
     int index = s->n_files++;
 
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0)
-        return df_error_set(err, DF_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    f->fd = df_open_regular(path, err);
+    if (f->fd < 0) return err ? err->code : DF_ERR_IO;
     struct stat sb;
     if (fstat(f->fd, &sb) != 0)
         return df_error_set(err, DF_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode))
-        return df_error_set(err, DF_ERR_IO, "%s: not a regular file", path);
     if (sb.st_size < 8)
         return df_error_set(err, DF_ERR_FORMAT,
                             "%s: file truncated: %lld bytes, too short for the 8-byte header "
@@ -543,7 +542,10 @@ static int shard_name_ok(const char *n) {
 static df_status open_index(df_tensor_set **out, const char *dir, const char *index_path,
                             df_error *err) {
     json_error_t je;
-    json_t *root = json_load_file(index_path, JSON_REJECT_DUPLICATES, &je);
+    FILE *jf = df_fopen_regular(index_path, err);
+    if (!jf) return err ? err->code : DF_ERR_IO;
+    json_t *root = json_loadf(jf, JSON_REJECT_DUPLICATES, &je);
+    fclose(jf);
     if (!root)
         return df_error_set(err, DF_ERR_FORMAT, "%s: not valid JSON: %s (line %d)", index_path,
                             je.text, je.line);

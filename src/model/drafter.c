@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "core/files.h"
 #include "dflash/drafter.h"
 #include "dflash/generate.h"
 #include "dflash/safetensors.h"
@@ -73,7 +74,10 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     json_error_t je;
-    json_t *root = json_load_file(path, 0, &je);
+    FILE *f = df_fopen_regular(path, err);
+    if (!f) return err ? err->code : DF_ERR_IO;
+    json_t *root = json_loadf(f, 0, &je);
+    fclose(f);
     if (!root) {
         if (je.line > 0)
             return df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s (line %d)", je.text, je.line);

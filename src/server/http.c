@@ -451,11 +451,47 @@ static void keep_body(df_server *srv, conn_ctx *ctx, const char *data, size_t n)
     ctx->len += n;
 }
 
+/* The path of a request target: an absolute-form target ("http://host/path", which HTTP/1.1
+ * servers must accept, RFC 9112 §3.2.2) is taken as its path, "/" where it has none. */
+static const char *origin_form(const char *url) {
+    const char *p = NULL;
+    if (!strncasecmp(url, "http://", 7)) p = url + 7;
+    else if (!strncasecmp(url, "https://", 8)) p = url + 8;
+    if (!p) return url;
+    const char *slash = strchr(p, '/');
+    return slash ? slash : "/";
+}
+
+static int hex_digit(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : (c >= 'a' && c <= 'f' ? c - 'a' + 10 : (c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1));
+}
+
+/* libmicrohttpd's unescaping of paths and query arguments (%HH), but for %00, which stays as it
+ * is: a NUL would cut the path short ("/v1/models/demo%00x" read as "/v1/models/demo"), and
+ * left as "%00" it matches no route. */
+static size_t unescape_keep_nul(void *cls, struct MHD_Connection *conn, char *s) {
+    (void)cls;
+    (void)conn;
+    char *w = s;
+    for (const char *r = s; *r;) {
+        const int hi = r[0] == '%' ? hex_digit(r[1]) : -1, lo = hi >= 0 ? hex_digit(r[2]) : -1;
+        if (lo >= 0 && (hi | lo) != 0) {
+            *w++ = (char)(hi * 16 + lo);
+            r += 3;
+        } else {
+            *w++ = *r++;
+        }
+    }
+    *w = 0;
+    return (size_t)(w - s);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                   const char *version, const char *upload_data, size_t *upload_data_size,
                                   void **con_cls) {
     (void)version;
     df_server *srv = cls;
+    url = origin_form(url);
     conn_ctx *ctx = *con_cls;
     if (!ctx) {
         ctx = calloc(1, sizeof *ctx);
@@ -636,7 +672,7 @@ df_status df_server_listen(df_server *srv, df_error *err) {
         MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT, srv->opt.max_connections,
         MHD_OPTION_CONNECTION_TIMEOUT, srv->opt.timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
         MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv, MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->opt.max_header,
-        MHD_OPTION_END);
+        MHD_OPTION_UNESCAPE_CALLBACK, unescape_keep_nul, NULL, MHD_OPTION_END);
     if (!d) {
         close(fd);
         watch_free(srv);

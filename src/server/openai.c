@@ -551,7 +551,11 @@ static int parse_output_options(df_api_request *req, const df_api_context *ctx, 
         if (get_bool(so, "include_usage", "stream_options.include_usage", &req->include_usage, e)) return -1;
     }
     long long n = 1;
-    if (get_integer(root, "n", "n", 1, 128, &n, NULL, e)) return -1;
+    if (get_integer(root, "n", "n", 1, 128, &n, NULL, e)) { /* outside the API's range: say what this server takes */
+        const size_t k = strlen(e->message);
+        snprintf(e->message + k, sizeof e->message - k, " This server generates one choice per request: 'n' must be 1.");
+        return -1;
+    }
     if (n != 1)
         return df_api_error_set(e, 400, INVALID, "unsupported_value", "n",
                                 "Invalid 'n': this server generates one choice per request; 'n' must be 1, "

@@ -172,7 +172,7 @@ void *df_worker_main(void *arg);
 int df_job_enqueue(df_server *srv, df_job *j, df_api_error *e);
 /* Seconds a request turned away now would wait for a place, for Retry-After (1..60): the
  * running job's remainder, taken as avg_s − running_s while it is shorter than a job on average
- * (avg_s: the running mean, 0 before any) and as running_s once it is longer (a job that has run
+ * (avg_s: the moving average of finished jobs' times, each new one weighing 1/5; 0 before any) and as running_s once it is longer (a job that has run
  * long tends to run as long again), plus avg_s for each of the n_waiting queued jobs and for the
  * place itself; running_s < 0: none is running. */
 int df_queue_retry_after(double avg_s, double running_s, int n_waiting);

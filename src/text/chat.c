@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
+#include "core/files.h"
 #include "text/jinja_internal.h"
 
 struct df_chat_template {
@@ -40,8 +42,8 @@ const df_jinja_template *df_chat_template_jinja(const df_chat_template *t) { ret
 int df_chat_template_handles_content_lists(const df_chat_template *t) { return t ? t->content_lists : 0; }
 
 static df_status read_file(const char *path, char **text, size_t *len, df_error *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return df_error_set(err, DF_ERR_IO, "cannot open %s", path);
+    FILE *f = df_fopen_regular(path, err);
+    if (!f) return err ? err->code : DF_ERR_IO;
     jbuf b = {0};
     char chunk[65536];
     size_t k;
@@ -66,7 +68,10 @@ static df_status read_file(const char *path, char **text, size_t *len, df_error 
  * template" status of df_chat_template_read (DF_ERR_IO) instead of a format error. */
 static df_status template_from_json(const char *path, int optional, char **text, size_t *len, df_error *err) {
     json_error_t je;
-    json_t *root = json_load_file(path, 0, &je);
+    FILE *f = df_fopen_regular(path, err);
+    if (!f) return err ? err->code : DF_ERR_IO;
+    json_t *root = json_loadf(f, 0, &je);
+    fclose(f);
     if (!root) return df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
     json_t *ct = json_object_get(root, "chat_template");
     const json_t *s = NULL;
@@ -96,11 +101,10 @@ static df_status template_from_json(const char *path, int optional, char **text,
     return *text ? DF_OK : df_error_set(err, DF_ERR_NOMEM, "out of memory reading %s", path);
 }
 
+/* Whether something is at path (opening it could block: a FIFO; reading it says what it is). */
 static int file_exists(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return 0;
-    fclose(f);
-    return 1;
+    struct stat sb;
+    return stat(path, &sb) == 0;
 }
 
 df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, df_error *err) {

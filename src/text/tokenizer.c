@@ -12,6 +12,8 @@
  */
 #include "dflash/tokenizer.h"
 
+#include "core/files.h"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
 #include <pcre2.h>
@@ -699,13 +701,8 @@ df_status df_tokenizer_load_json(df_tokenizer **out, const char *json, size_t le
 
 df_status df_tokenizer_load(df_tokenizer **out, const char *path, df_error *err) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return df_error_set(err, DF_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fileno(f), &sb) == 0 && S_ISDIR(sb.st_mode)) {
-        fclose(f);
-        return df_error_set(err, DF_ERR_IO, "%s: is a folder, not a tokenizer.json file", path);
-    }
+    FILE *f = df_fopen_regular(path, err);
+    if (!f) return err ? err->code : DF_ERR_IO;
     char *buf = NULL;
     size_t n = 0, cap = 0;
     for (;;) {

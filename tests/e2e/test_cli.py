@@ -542,6 +542,33 @@ def test_generate_messages_file(tmp_path):
     assert a["message"]["content"] == b["message"]["content"]
 
 
+def test_request_file_from_stdin_and_pipes(tmp_path):
+    """--messages - reads standard input; a pipe (/dev/stdin) is read to its end as a file is;
+    a folder is named as one."""
+    body = json.dumps({"messages": [{"role": "user", "content": "def fib(n):"}]})
+    want = generate_json("--chat", "def fib(n):", "--max-tokens", "6")
+    for path in ("-", "/dev/stdin"):
+        p = subprocess.run([DFLASH_BIN, "generate", *model_args(), "--messages", path, "--max-tokens", "6", "--json"],
+                           input=body, capture_output=True, text=True, timeout=300, env=base_env())
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["ids"] == want["ids"]
+    p = run_cli("render", *model_args(), "--request", str(tmp_path))
+    assert p.returncode != 0 and "is a folder" in p.stderr, p.stderr
+
+
+def test_pack_file_that_is_a_fifo_is_an_error(tmp_path):
+    """A pack whose config.json is a FIFO: a clear error at once, not a read that never ends."""
+    src = str(model_dir() or SOURCE_DIR / "models" / "demo")
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    for f in os.listdir(src):
+        os.symlink(os.path.join(os.path.abspath(src), f), pack / f)
+    os.unlink(pack / "config.json")
+    os.mkfifo(pack / "config.json")
+    p = run_cli("generate", "--model", str(pack), "--prompt", "hi", "--max-tokens", "1", timeout=60)
+    assert p.returncode != 0 and "not a regular file" in p.stderr, p.stderr
+
+
 # ---- drafter ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra", [[], ["--draft-block", "4"], ["--draft-block", "16"],

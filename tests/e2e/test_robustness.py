@@ -599,6 +599,18 @@ def test_pipelined_and_http10(srv):
     assert out.startswith(b"HTTP/1.") and b" 200 " in out.split(b"\r\n", 1)[0]
 
 
+def test_percent_encoded_nul_and_absolute_form(srv):
+    """A %00 in the path matches no route (it does not cut the path short); an absolute-form request
+    target (RFC 9112 §3.2.2) is answered as its path."""
+    for path in ("/health%00abc", "/v1/models/x%00y", "/v1/chat/completions%00"):
+        r = requests.get(srv.url + path, timeout=30)
+        assert r.status_code == 404, (path, r.status_code, r.text)
+    out = raw(srv.port, b"GET http://x/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert b" 200 " in out.split(b"\r\n", 1)[0], out[:200]
+    out = raw(srv.port, b"GET HTTP://x:8/v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert b" 200 " in out.split(b"\r\n", 1)[0], out[:200]
+
+
 def test_chunked_request_body(srv):
     body = json.dumps({"messages": MSG, "max_tokens": 2, "temperature": 0}).encode()
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)

@@ -4,6 +4,8 @@
 #include "support.h"
 
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "dflash/pack.h"
 #include "st_write.h"
@@ -310,6 +312,24 @@ static void test_bad_config(void **state) {
     expect_load_ok(d);
 }
 
+/* A pack file that is a FIFO (whose open or read would block forever) or a folder: a clear
+ * error naming it, at once. */
+static void test_special_files(void **state) {
+    (void)state;
+    static const char *names[] = {"config.json", TINY_ST, "generation_config.json"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const char *d = fresh();
+        const char *p = tw_path(d, names[i]);
+        assert_int_equal(remove(p), 0);
+        assert_int_equal(mkfifo(p, 0600), 0);
+        expect_load_error(d, DF_ERR_IO, names[i], "not a regular file");
+        assert_int_equal(unlink(p), 0);
+        assert_int_equal(mkdir(p, 0700), 0);
+        expect_load_error(d, DF_ERR_IO, names[i], "is a folder, not a file");
+        assert_int_equal(rmdir(p), 0);
+    }
+}
+
 static void test_bad_quantization(void **state) {
     (void)state;
     static const cfg_case cases[] = {
@@ -422,6 +442,7 @@ int main(void) {
         cmocka_unit_test(test_unexpected_tensor),
         cmocka_unit_test(test_corrupt_file_in_pack),
         cmocka_unit_test(test_bad_config),
+        cmocka_unit_test(test_special_files),
         cmocka_unit_test(test_bad_quantization),
         cmocka_unit_test(test_bad_hadamard),
         cmocka_unit_test(test_bad_shards),

@@ -184,7 +184,7 @@ static void test_file_errors(void **state) {
     assert_int_equal(df_tensors_count(s), 0);
     df_tensors_free(s);
     /* a folder is not a file */
-    expect_open_error(tw_dir, DF_ERR_IO, "not a regular file", NULL);
+    expect_open_error(tw_dir, DF_ERR_IO, "is a folder, not a file", NULL);
 }
 
 /* The tiny pack's file cut inside its data: a truncated file, naming the first cut tensor. */

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <utf8proc.h>
 
 #include "dflash/tokenizer.h"
@@ -567,6 +569,17 @@ static void test_load_errors(void **state) {
     assert_int_equal(df_tokenizer_load(&tok, "/nonexistent/tokenizer.json", &err), DF_ERR_IO);
     assert_null(tok);
     assert_non_null(strstr(err.msg, "/nonexistent/tokenizer.json"));
+    /* a FIFO (an open or read that would block forever) and a folder: clear errors, at once */
+    char dir[] = "/tmp/dflash-tok-XXXXXX", fifo[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(fifo, sizeof fifo, "%s/tokenizer.json", dir);
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(df_tokenizer_load(&tok, fifo, &err), DF_ERR_IO);
+    assert_non_null(strstr(err.msg, "not a regular file"));
+    assert_int_equal(unlink(fifo), 0);
+    assert_int_equal(df_tokenizer_load(&tok, dir, &err), DF_ERR_IO);
+    assert_non_null(strstr(err.msg, "is a folder"));
+    assert_int_equal(rmdir(dir), 0);
 
     assert_int_equal(load_str("{\"model\": ", &err), DF_ERR_FORMAT);
     assert_non_null(strstr(err.msg, "line"));
