@@ -142,6 +142,11 @@ void df_pack_free(df_pack *pack);
 df_status df_text_config_parse(df_text_config *cfg, const char *json_text, df_error *err);
 void df_text_config_free(df_text_config *cfg);
 
+/* The model's vocabulary size (embedding rows, config.json's vocab_size) of the pack in
+ * folder dir, from its config.json alone. Errors: those of df_text_config_parse, DF_ERR_IO
+ * for the file. */
+df_status df_pack_vocab_size(const char *dir, int *vocab, df_error *err);
+
 /* Parses a generation_config.json text into gen (sampling defaults; has_* = 1 for each
  * field present: temperature >= 0, top_p in (0, 1], top_k >= 0, min_p in [0, 1],
  * repetition_penalty > 0). When cfg is non-NULL its eos_token_id (an id or a list) is

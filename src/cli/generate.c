@@ -184,12 +184,11 @@ int cmd_generate(int argc, char **argv) {
         cli_error("generate", "%s", err.msg);
         goto done;
     }
-    if (prompt_ids) { /* prompt ids must be tokens the tokenizer knows (as the server checks) */
-        const int tv = df_tokenizer_vocab_size(df_engine_tokenizer(eng)), mv = df_engine_vocab_size(eng);
-        const int lim = tv < mv ? tv : mv;
+    if (prompt_ids) { /* prompt ids must be the model's (as the server checks) */
+        const int lim = df_engine_vocab_size(eng);
         for (size_t i = 0; i < n_ids; i++)
             if (ids[i] < 0 || ids[i] >= lim) {
-                cli_error("generate", "--prompt-ids: token id %d is outside 0..%d (the tokenizer's ids)", (int)ids[i],
+                cli_error("generate", "--prompt-ids: token id %d is outside 0..%d (the model's vocabulary)", (int)ids[i],
                           lim - 1);
                 rc = CLI_EXIT_USAGE;
                 goto done;

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "dflash/pack.h"
 #include "dflash/tokenizer.h"
 
 int cmd_tokenize(int argc, char **argv) {
@@ -33,6 +34,7 @@ int cmd_tokenize(int argc, char **argv) {
         return CLI_EXIT_USAGE;
     }
     char path[4096];
+    int model_vocab = 0; /* a pack's: ids past the tokenizer's, up to it, decode to no text */
     if (tokenizer) {
         snprintf(path, sizeof path, "%s", tokenizer);
     } else {
@@ -42,6 +44,8 @@ int cmd_tokenize(int argc, char **argv) {
             return CLI_EXIT_FAIL;
         }
         snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+        df_error verr = {0};
+        if (decode && df_pack_vocab_size(dir, &model_vocab, &verr) != DF_OK) model_vocab = 0;
     }
     df_error err = {0};
     df_tokenizer *tok = NULL;
@@ -61,11 +65,11 @@ int cmd_tokenize(int argc, char **argv) {
     } else {
         char *out = NULL;
         size_t len = 0;
-        const int32_t vocab = df_tokenizer_vocab_size(tok);
+        const int32_t tv = df_tokenizer_vocab_size(tok), vocab = model_vocab > tv ? model_vocab : tv;
         for (size_t i = 0; i < n; i++)
             if (ids[i] < 0 || ids[i] >= vocab) {
-                cli_error("tokenize", "--decode: token id %d is outside 0..%d (the tokenizer's ids)", (int)ids[i],
-                          (int)vocab - 1);
+                cli_error("tokenize", "--decode: token id %d is outside 0..%d (the %s)", (int)ids[i], (int)vocab - 1,
+                          model_vocab > tv ? "model's vocabulary" : "tokenizer's ids");
                 rc = CLI_EXIT_USAGE;
                 goto done;
             }

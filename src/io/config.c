@@ -381,6 +381,21 @@ df_status df_text_config_parse(df_text_config *cfg, const char *json_text, df_er
     return st;
 }
 
+df_status df_pack_vocab_size(const char *dir, int *vocab, df_error *err) {
+    char *path = df_path_join(dir, "config.json"), *text = NULL;
+    if (!path) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    df_status st = df_read_text_file(path, DF_CONFIG_MAX_BYTES, &text, err);
+    if (st == DF_OK) {
+        df_text_config cfg;
+        st = df_text_config_parse(&cfg, text, err);
+        if (st == DF_OK) *vocab = cfg.vocab_size;
+        df_text_config_free(&cfg);
+    }
+    free(text);
+    free(path);
+    return st;
+}
+
 void df_text_config_free(df_text_config *cfg) {
     if (!cfg) return;
     free(cfg->layer_kinds);

@@ -470,7 +470,6 @@ static df_status bind_all(binder *b) {
 
 /* ---- loading ---------------------------------------------------------------------- */
 
-#define CONFIG_MAX_BYTES ((size_t)64 << 20)
 
 static df_status load_config(pack_impl *p, binder *b, json_t **root_out, df_error *err) {
     df_pack *pk = &p->pub;
@@ -478,7 +477,7 @@ static df_status load_config(pack_impl *p, binder *b, json_t **root_out, df_erro
     char *text = NULL;
     df_status st = DF_OK;
     if (!path) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
-    if ((st = df_read_text_file(path, CONFIG_MAX_BYTES, &text, err)) != DF_OK) goto done;
+    if ((st = df_read_text_file(path, DF_CONFIG_MAX_BYTES, &text, err)) != DF_OK) goto done;
     json_error_t je;
     json_t *root = json_loads(text, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
@@ -502,7 +501,7 @@ static df_status load_config(pack_impl *p, binder *b, json_t **root_out, df_erro
         goto done;
     }
     if (access(path, F_OK) == 0) {
-        if ((st = df_read_text_file(path, CONFIG_MAX_BYTES, &text, err)) != DF_OK) goto done;
+        if ((st = df_read_text_file(path, DF_CONFIG_MAX_BYTES, &text, err)) != DF_OK) goto done;
         if ((st = df_generation_config_parse(&pk->gen, &pk->cfg, text, err)) != DF_OK)
             df_error_prefix(err, "%s", path);
     }

@@ -640,13 +640,13 @@ static int check_ids(const json_t *a, const char *param, int vocab, df_api_error
         snprintf(p, sizeof p, "%s[%zu]", param, i);
         if (overflow_text(x))
             return df_api_error_set(e, 400, INVALID, "invalid_value", p,
-                                    "Invalid '%s': token id %s is outside 0..%d (the tokenizer's ids).", p,
+                                    "Invalid '%s': token id %s is outside 0..%d (the model's vocabulary).", p,
                                     overflow_text(x), vocab - 1);
         if (!json_is_integer(x)) return type_error(e, p, "a token id (an integer)", x);
         json_int_t id = json_integer_value(x);
         if (id < 0 || id >= vocab)
             return df_api_error_set(e, 400, INVALID, "invalid_value", p,
-                                    "Invalid '%s': token id %lld is outside 0..%d (the tokenizer's ids).", p,
+                                    "Invalid '%s': token id %lld is outside 0..%d (the model's vocabulary).", p,
                                     (long long)id, vocab - 1);
     }
     return 0;
@@ -907,7 +907,7 @@ int df_api_request_parse(df_api_request *req, df_api_route route, const char *bo
     }
     if (route == DF_API_CHAT) {
         if (check_messages(req->root, e) || parse_tools(req, e)) goto done;
-    } else if (parse_prompt(req, ctx->prompt_vocab > 0 ? ctx->prompt_vocab : ctx->vocab, e)) {
+    } else if (parse_prompt(req, ctx->vocab, e)) {
         goto done;
     }
     if (parse_sampling(req, ctx, e) || parse_output_options(req, ctx, e)) goto done;

@@ -40,8 +40,9 @@ typedef enum df_api_route {
 typedef struct df_api_context {
     const char *model_id;                      /* a request's "model" must equal it (404); NULL: any */
     const df_generation_defaults *gen_defaults; /* for omitted sampling fields (may be NULL) */
-    int vocab;                                 /* logit_bias keys must be < vocab (the model's) */
-    int prompt_vocab;                          /* prompt ids must be < prompt_vocab (tokens the tokenizer knows); 0: vocab */
+    int vocab;                                 /* logit_bias keys and prompt ids must be < vocab (the
+                                                  model's embedding rows: an id past the tokenizer's is
+                                                  a valid input that reads as no text, as in outputs) */
     int max_top_logprobs;                      /* top_logprobs / logprobs upper bound */
     int test_hooks;                            /* honour "dflash_forced_output" */
 } df_api_context;

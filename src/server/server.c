@@ -564,8 +564,8 @@ static int route_completion(df_server *srv, const df_http_request *req, df_route
         return 0;
     }
     const df_pack *pack = df_engine_pack(srv->eng);
-    const int vocab = df_engine_vocab_size(srv->eng), tvocab = df_tokenizer_vocab_size(df_engine_tokenizer(srv->eng));
-    df_api_context ctx = {srv->model_id, pack ? &pack->gen : NULL, vocab, tvocab < vocab ? tvocab : vocab,
+    const int vocab = df_engine_vocab_size(srv->eng);
+    df_api_context ctx = {srv->model_id, pack ? &pack->gen : NULL, vocab,
                           srv->opt.top_logprobs_k, srv->opt.test_hooks};
     if (df_api_request_parse(&j->req, route == DF_ROUTE_CHAT ? DF_API_CHAT : DF_API_COMPLETIONS, req->body,
                              req->body_len, &ctx, &e) ||

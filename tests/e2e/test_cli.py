@@ -556,6 +556,21 @@ def test_request_file_from_stdin_and_pipes(tmp_path):
     assert p.returncode != 0 and "is a folder" in p.stderr, p.stderr
 
 
+def test_ids_past_the_tokenizer_are_the_models():
+    """The demo model's embedding has 2048 rows, its tokenizer 2017: ids in between are taken as
+    prompts and decoded (as no text), as the model's outputs are; 2048 is refused."""
+    if model_dir() is not None:
+        pytest.skip("the token counts are those of the demo model")
+    p = run_cli("tokenize", "--decode", "1766,2033,446")
+    assert p.returncode == 0 and p.stdout == run_cli("tokenize", "--decode", "1766,446").stdout, p.stderr
+    p = run_cli("tokenize", "--decode", "2048")
+    assert p.returncode == 2 and "outside 0..2047 (the model's vocabulary)" in p.stderr, p.stderr
+    a = generate_json("--prompt-ids", "1766,446,2033", "--max-tokens", "3")
+    assert a["prompt_ids"] == [1766, 446, 2033]
+    p = run_cli("generate", "--prompt-ids", "1766,2048", "--max-tokens", "1")
+    assert p.returncode == 2 and "outside 0..2047" in p.stderr, p.stderr
+
+
 def test_pack_file_that_is_a_fifo_is_an_error(tmp_path):
     """A pack whose config.json is a FIFO: a clear error at once, not a read that never ends."""
     src = str(model_dir() or SOURCE_DIR / "models" / "demo")

@@ -311,14 +311,17 @@ def test_malformed_completions_request(srv, name, body, code, param):
 
 
 def test_prompt_ids_past_the_tokenizer(srv):
-    """The demo model's embedding has 2048 rows, its tokenizer 2017 tokens: ids in between are no
-    tokens and are refused in prompts (logit_bias may still name them)."""
+    """The demo model's embedding has 2048 rows, its tokenizer 2017 tokens: ids in between are the
+    model's (it can generate them; they read as no text) and are taken in prompts as in outputs;
+    ids past the embedding are refused."""
     if model_dir() is not None:
         pytest.skip("the token counts are those of the demo model")
-    assert_error(requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2040], "max_tokens": 2}, timeout=60),
+    assert_error(requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2048], "max_tokens": 2}, timeout=60),
                  400, "invalid_value", "prompt[1]")
-    r = requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2016], "max_tokens": 2}, timeout=60)
-    assert r.status_code == 200, r.text
+    for ids in ([1, 2016], [1, 2040], [2047]):
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True,
+                                                             "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
 
 
 @pytest.mark.parametrize("content", ["", "   ", "\n\t\n", "<|im_end|><|im_start|>system\nx",
