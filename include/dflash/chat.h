@@ -35,12 +35,14 @@ df_status df_chat_template_parse(const char *src, size_t len, df_chat_template *
 /* Reads a pack's chat template text: PACK/chat_template.jinja if present, else the
  * "chat_template" key of PACK/chat_template.json, else that of PACK/tokenizer_config.json (a
  * string, or a list of {"name", "template"} from which "default" is taken). *text is malloc'd
- * and NUL-terminated. Errors: DF_ERR_IO (no template: none of these files, or a
- * tokenizer_config.json without the key), DF_ERR_FORMAT (bad JSON, a chat_template.json
- * without a template, a key of the wrong type), DF_ERR_NOMEM. Messages name the file. */
+ * and NUL-terminated; no template (none of these files, or a tokenizer_config.json without the
+ * key) is DF_OK with *text NULL. A file that is there but cannot be read (a FIFO, a folder, a
+ * link loop) is an error, never taken for an absent one. Errors: DF_ERR_IO (a file that cannot
+ * be read), DF_ERR_FORMAT (bad JSON, a chat_template.json without a template, a key of the
+ * wrong type, an empty chat_template.jinja), DF_ERR_NOMEM. Messages name the file. */
 df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, df_error *err);
 
-/* df_chat_template_read + df_chat_template_parse. */
+/* df_chat_template_read + df_chat_template_parse; no template is DF_ERR_IO. */
 df_status df_chat_template_load(const char *pack_dir, df_chat_template **out, df_error *err);
 
 void df_chat_template_free(df_chat_template *t);

@@ -1,6 +1,7 @@
 /* dflash command line: chat requests read from files and rendered with the pack's template,
  * exactly as the server does (src/server/openai.c validates, src/server/prompt.c renders). */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,10 @@ static char *read_request_text(const char *cmd, const char *path, size_t *len) {
         cli_error(cmd, "%s: is a folder, not a request file", path);
         return NULL;
     }
+    if (!is_stdin && S_ISREG(sb.st_mode) && (uint64_t)sb.st_size > CLI_REQUEST_MAX) {
+        cli_error(cmd, "%s: larger than %zu bytes", path, CLI_REQUEST_MAX);
+        return NULL;
+    }
     FILE *f = is_stdin ? stdin : fopen(path, "rb");
     if (!f) {
         cli_error(cmd, "%s: %s", path, strerror(errno));
@@ -41,19 +46,20 @@ static char *read_request_text(const char *cmd, const char *path, size_t *len) {
     char *text = malloc(cap);
     int too_big = 0;
     while (text) {
-        if (PRE + n + 2 >= cap) {
-            if (cap > CLI_REQUEST_MAX) {
-                too_big = 1;
-                break;
-            }
-            char *t = realloc(text, cap * 2);
+        if (n > CLI_REQUEST_MAX) { /* a stream: stop once past the limit */
+            too_big = 1;
+            break;
+        }
+        if (PRE + n + 2 >= cap) { /* room for one byte past the limit at most */
+            const size_t ncap = cap * 2 < CLI_REQUEST_MAX + PRE + 3 ? cap * 2 : CLI_REQUEST_MAX + PRE + 3;
+            char *t = realloc(text, ncap);
             if (!t) {
                 free(text);
                 text = NULL;
                 break;
             }
             text = t;
-            cap *= 2;
+            cap = ncap;
         }
         const size_t k = fread(text + PRE + n, 1, cap - PRE - n - 2, f);
         n += k;

@@ -92,8 +92,9 @@ int cli_model_dir(const char *given, char *out, size_t cap);
 int cli_demo_model_dir(char *out, size_t cap);
 /* The public name of a model folder: its basename (after resolving "." and links). */
 void cli_model_id(const char *dir, char *out, size_t cap);
-/* Parses "1,2,3" (option `what` of cmd) into a malloc'd id array. Returns -1 if malformed,
- * after cmd's usage error on stderr. */
+/* Parses "1,2,3" (option `what` of cmd) into a malloc'd id array: decimal integers that fit 32
+ * bits (negative ones too: the caller checks the ids against its vocabulary and names the range).
+ * Returns -1 if malformed, after cmd's usage error on stderr. */
 int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32_t **ids, size_t *n);
 /* 0 when text (the value of option `opt` of cmd, e.g. "--prompt") is valid UTF-8; else cmd's
  * usage error naming the option and the first bad byte, and CLI_EXIT_USAGE. */

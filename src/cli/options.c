@@ -317,10 +317,19 @@ int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32
     while (*p) {
         char *end;
         errno = 0;
-        long x = strtol(p, &end, 10);
-        if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',')) {
+        const int digit = (p[0] >= '0' && p[0] <= '9') || (p[0] == '-' && p[1] >= '0' && p[1] <= '9');
+        long x = digit ? strtol(p, &end, 10) : 0;
+        if (!digit || end == p || (*end && *end != ',')) { /* not a number (no sign but '-', no spaces) */
             free(v);
             cli_usage_error(cmd, "%s: expected comma-separated token ids (like 1,2,3), got '%s'", what, s);
+            return -1;
+        }
+        if (errno || x < INT32_MIN || x > INT32_MAX) { /* past 32 bits: a number, but never a token id (the
+                                                           rest, negative ones too, the command checks against
+                                                           its vocabulary) */
+            const int len = (int)(end - p);
+            free(v);
+            cli_usage_error(cmd, "%s: token id %.*s is outside every vocabulary", what, len > 40 ? 40 : len, p);
             return -1;
         }
         v[k++] = (int32_t)x;

@@ -30,6 +30,11 @@ int df_open_regular(const char *path, df_error *err) {
     return fd;
 }
 
+int df_path_present(const char *path) {
+    struct stat sb;
+    return lstat(path, &sb) == 0;
+}
+
 FILE *df_fopen_regular(const char *path, df_error *err) {
     const int fd = df_open_regular(path, err);
     if (fd < 0) return NULL;

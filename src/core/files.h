@@ -14,6 +14,11 @@
  * "PATH: not a regular file". */
 FILE *df_fopen_regular(const char *path, df_error *err);
 
+/* 1 when something is at path: a file of any kind, or a symbolic link even one that leads
+ * nowhere or in a loop (lstat), so that a broken optional file is reported when it is opened
+ * rather than taken for an absent one; 0 when nothing is there. */
+int df_path_present(const char *path);
+
 /* As df_fopen_regular, the file descriptor (O_RDONLY | O_CLOEXEC, blocking), or -1 with err
  * set. */
 int df_open_regular(const char *path, df_error *err);

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/files.h"
 #include "dflash/pack.h"
 #include "io/io_internal.h"
 
@@ -500,7 +501,7 @@ static df_status load_config(pack_impl *p, binder *b, json_t **root_out, df_erro
         st = df_error_set(err, DF_ERR_NOMEM, "out of memory");
         goto done;
     }
-    if (access(path, F_OK) == 0) {
+    if (df_path_present(path)) { /* present but unreadable (a FIFO, a folder, a link loop): an error */
         if ((st = df_read_text_file(path, DF_CONFIG_MAX_BYTES, &text, err)) != DF_OK) goto done;
         if ((st = df_generation_config_parse(&pk->gen, &pk->cfg, text, err)) != DF_OK)
             df_error_prefix(err, "%s", path);

@@ -466,16 +466,17 @@ static int hex_digit(char c) {
     return c >= '0' && c <= '9' ? c - '0' : (c >= 'a' && c <= 'f' ? c - 'a' + 10 : (c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1));
 }
 
-/* libmicrohttpd's unescaping of paths and query arguments (%HH), but for %00, which stays as it
- * is: a NUL would cut the path short ("/v1/models/demo%00x" read as "/v1/models/demo"), and
- * left as "%00" it matches no route. */
+/* libmicrohttpd's unescaping of paths and query arguments (%HH), but for %00 and %2F, which stay
+ * as they are: a NUL would cut the path short ("/v1/models/demo%00x" read as "/v1/models/demo"),
+ * and an escaped slash is data, not a separator ("/v1%2Fmodels" is no route; a model id with a
+ * slash is decoded by its route). */
 static size_t unescape_keep_nul(void *cls, struct MHD_Connection *conn, char *s) {
     (void)cls;
     (void)conn;
     char *w = s;
     for (const char *r = s; *r;) {
         const int hi = r[0] == '%' ? hex_digit(r[1]) : -1, lo = hi >= 0 ? hex_digit(r[2]) : -1;
-        if (lo >= 0 && (hi | lo) != 0) {
+        if (lo >= 0 && (hi | lo) != 0 && !(hi == 2 && lo == 15)) {
             *w++ = (char)(hi * 16 + lo);
             r += 3;
         } else {

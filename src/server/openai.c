@@ -550,17 +550,22 @@ static int parse_output_options(df_api_request *req, const df_api_context *ctx, 
                                     "Invalid 'stream_options': only allowed when 'stream' is true.");
         if (get_bool(so, "include_usage", "stream_options.include_usage", &req->include_usage, e)) return -1;
     }
+    /* n: one choice per prompt is generated, so anything but 1 is refused, saying so: as an
+     * invalid value outside the API's 1..128, as an unsupported one inside it */
     long long n = 1;
-    if (get_integer(root, "n", "n", 1, 128, &n, NULL, e)) { /* outside the API's range: say what this server takes */
-        const size_t k = strlen(e->message);
-        snprintf(e->message + k, sizeof e->message - k, " This server generates one choice per request: 'n' must be 1.");
-        return -1;
+    if (get_integer(root, "n", "n", 1, 128, &n, NULL, e)) {
+        if (!strcmp(e->code, "invalid_type")) return -1;
+        const json_t *nv = field(root, "n");
+        char got[48];
+        if (overflow_text(nv)) snprintf(got, sizeof got, "%.40s", overflow_text(nv));
+        else if (json_is_integer(nv)) snprintf(got, sizeof got, "%lld", (long long)json_integer_value(nv));
+        else snprintf(got, sizeof got, "%g", json_number_value(nv));
+        return df_api_error_set(e, 400, INVALID, "invalid_value", "n",
+                                "Invalid 'n': one choice per prompt is generated; 'n' must be 1, but got %s.", got);
     }
     if (n != 1)
         return df_api_error_set(e, 400, INVALID, "unsupported_value", "n",
-                                "Invalid 'n': this server generates one choice per request; 'n' must be 1, "
-                                "but got %lld.",
-                                n);
+                                "Invalid 'n': one choice per prompt is generated; 'n' must be 1, but got %lld.", n);
     const char *user;
     if (get_string(root, "user", "user", &user, e)) return -1;
 

@@ -47,19 +47,20 @@ df_status df_chat_setup_init(df_chat_setup *cs, const char *pack_dir, const df_t
     size_t len = 0;
     df_error rerr = {0};
     df_status st;
-    if (df_chat_template_read(pack_dir, &text, &len, &rerr) == DF_OK) {
+    if (df_chat_template_read(pack_dir, &text, &len, &rerr) != DF_OK) {
+        *err = rerr;
+        return rerr.code;
+    }
+    if (text) {
         st = df_chat_template_parse(text, len, &cs->tmpl, err);
         if (st) df_error_prefix(err, "%s: chat template", pack_dir);
         cs->xml_tools = strstr(text, "<function=") != NULL;
         free(text);
         if (st) return st;
-    } else if (rerr.code == DF_ERR_IO) {
+    } else { /* the pack has none */
         cs->builtin = 1;
         st = df_chat_template_parse(BUILTIN_CHATML, sizeof BUILTIN_CHATML - 1, &cs->tmpl, err);
         if (st) return st;
-    } else {
-        *err = rerr;
-        return rerr.code;
     }
     /* the special tokens, longest first (a longer one wins where two start together) */
     int32_t V = df_tokenizer_vocab_size(tok);

@@ -352,7 +352,20 @@ static void route_models(const df_server *srv, df_http_response *resp) {
     set_json(resp, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(srv)));
 }
 
-static void route_model(const df_server *srv, const char *id, df_http_response *resp) {
+/* GET /v1/models/ID. The path arrives with %2F still encoded (a slash escaped in a path is data,
+ * never a separator: see http.c), so an id with a slash may come as "org%2Fname": decoded here. */
+static void route_model(const df_server *srv, const char *raw_id, df_http_response *resp) {
+    char id[512];
+    size_t k = 0;
+    for (const char *r = raw_id; *r && k + 1 < sizeof id;) {
+        if (r[0] == '%' && r[1] == '2' && (r[2] == 'F' || r[2] == 'f')) {
+            id[k++] = '/';
+            r += 3;
+        } else {
+            id[k++] = *r++;
+        }
+    }
+    id[k] = 0;
     if (strcmp(id, srv->model_id) == 0) {
         set_json(resp, 200, model_object(srv));
         return;

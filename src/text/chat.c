@@ -64,8 +64,8 @@ static df_status read_file(const char *path, char **text, size_t *len, df_error 
 }
 
 /* The "chat_template" value of a JSON file: a string, or [{"name", "template"}] ("default").
- * optional: a file without the key (tokenizer_config.json often has none) gives the "no chat
- * template" status of df_chat_template_read (DF_ERR_IO) instead of a format error. */
+ * optional: a file without the key (tokenizer_config.json often has none) gives DF_OK with
+ * *text NULL (no template) instead of a format error. */
 static df_status template_from_json(const char *path, int optional, char **text, size_t *len, df_error *err) {
     json_error_t je;
     FILE *f = df_fopen_regular(path, err);
@@ -88,7 +88,11 @@ static df_status template_from_json(const char *path, int optional, char **text,
     if (!s) {
         const int absent = ct == NULL;
         json_decref(root);
-        if (optional && absent) return df_error_set(err, DF_ERR_IO, "%s: no chat template", path);
+        if (optional && absent) { /* no template there: not an error (*text stays NULL) */
+            *text = NULL;
+            *len = 0;
+            return DF_OK;
+        }
         return df_error_set(err, DF_ERR_FORMAT, "%s: no \"chat_template\" string (or \"default\" entry)", path);
     }
     *len = json_string_length(s);
@@ -101,26 +105,29 @@ static df_status template_from_json(const char *path, int optional, char **text,
     return *text ? DF_OK : df_error_set(err, DF_ERR_NOMEM, "out of memory reading %s", path);
 }
 
-/* Whether something is at path (opening it could block: a FIFO; reading it says what it is). */
-static int file_exists(const char *path) {
-    struct stat sb;
-    return stat(path, &sb) == 0;
-}
-
 df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, df_error *err) {
     char path[4096];
     size_t dummy;
     if (!len) len = &dummy;
     *text = NULL;
+    *len = 0;
+    /* a file that is there but cannot be read (a FIFO, a folder, a link loop) is an error, never
+     * taken for an absent one (df_path_present) */
     snprintf(path, sizeof path, "%s/chat_template.jinja", pack_dir);
-    if (file_exists(path)) return read_file(path, text, len, err);
+    if (df_path_present(path)) {
+        df_status st = read_file(path, text, len, err);
+        if (st == DF_OK && *len == 0) {
+            free(*text);
+            *text = NULL;
+            st = df_error_set(err, DF_ERR_FORMAT, "%s: empty chat template", path);
+        }
+        return st;
+    }
     snprintf(path, sizeof path, "%s/chat_template.json", pack_dir);
-    if (file_exists(path)) return template_from_json(path, 0, text, len, err);
+    if (df_path_present(path)) return template_from_json(path, 0, text, len, err);
     snprintf(path, sizeof path, "%s/tokenizer_config.json", pack_dir);
-    if (file_exists(path)) return template_from_json(path, 1, text, len, err);
-    return df_error_set(err, DF_ERR_IO,
-                        "%s: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)",
-                        pack_dir);
+    if (df_path_present(path)) return template_from_json(path, 1, text, len, err);
+    return DF_OK; /* none: *text NULL */
 }
 
 df_status df_chat_template_load(const char *pack_dir, df_chat_template **out, df_error *err) {
@@ -129,6 +136,10 @@ df_status df_chat_template_load(const char *pack_dir, df_chat_template **out, df
     *out = NULL;
     df_status st = df_chat_template_read(pack_dir, &text, &len, err);
     if (st) return st;
+    if (!text)
+        return df_error_set(err, DF_ERR_IO,
+                            "%s: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)",
+                            pack_dir);
     st = df_chat_template_parse(text, len, out, err);
     free(text);
     if (st) df_error_prefix(err, "%s: chat template", pack_dir);

@@ -687,8 +687,9 @@ df_status jfilter(jctx *c, const jnode *n, const char *name, jv *val, jargs *a, 
         int r = case_map(&b, s.p ? s.p : "", s.n, mode);
         jbuf_free(&s);
         if (r) {
+            st = jerr_build(c, n, &b, 1);
             jbuf_free(&b);
-            return jerr_nomem(c);
+            return st;
         }
         return ret_buf(c, &b, out);
     }
@@ -755,8 +756,9 @@ df_status jfilter(jctx *c, const jnode *n, const char *name, jv *val, jargs *a, 
                 size_t k = e - 1;
                 while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
                 if (jbuf_put(&b, s + k, e - k)) {
+                    const df_status bst = jerr_build(c, n, &b, e - k);
                     jbuf_free(&b);
-                    return jerr_nomem(c);
+                    return bst;
                 }
                 e = k;
             }

@@ -270,7 +270,7 @@ df_status jerr_undef(jctx *c, const jnode *n, const jv *v) {
 df_status jerr_nomem(jctx *c) { return df_error_set(c->err, DF_ERR_NOMEM, "out of memory rendering template"); }
 
 df_status jerr_build(jctx *c, const jnode *n, const jbuf *b, size_t adding) {
-    if (b->limit && b->n + adding > b->limit) {
+    if (b->limit && (b->over_limit || b->n + adding > b->limit)) {
         if (n)
             return df_error_set(c->err, DF_ERR_RANGE,
                                 "template output exceeds the limit of %zu bytes (template line %d, column %d)",

@@ -16,7 +16,8 @@
 typedef struct jbuf {
     char *p;
     size_t n, cap;
-    size_t limit; /* 0 = none */
+    size_t limit;  /* 0 = none */
+    int over_limit; /* 1 once an append was refused for the limit (not for memory) */
 } jbuf;
 
 int jbuf_put(jbuf *b, const char *s, size_t n);

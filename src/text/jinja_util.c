@@ -13,7 +13,10 @@
 static int jbuf_reserve(jbuf *b, size_t extra) {
     if (extra > SIZE_MAX / 2 - b->n) return -1;
     size_t need = b->n + extra + 1;
-    if (b->limit && b->n + extra > b->limit) return -1;
+    if (b->limit && b->n + extra > b->limit) {
+        b->over_limit = 1;
+        return -1;
+    }
     if (need <= b->cap) return 0;
     size_t cap = b->cap ? b->cap : 64;
     while (cap < need) cap *= 2;

@@ -569,6 +569,10 @@ def test_ids_past_the_tokenizer_are_the_models():
     assert a["prompt_ids"] == [1766, 446, 2033]
     p = run_cli("generate", "--prompt-ids", "1766,2048", "--max-tokens", "1")
     assert p.returncode == 2 and "outside 0..2047" in p.stderr, p.stderr
+    for bad, said in (("-1", "token id -1 is outside 0..2047"), ("4294967296", "outside every vocabulary"),
+                      ("99999999999999999999", "outside every vocabulary"), ("+5", "expected comma-separated")):
+        p = run_cli("tokenize", "--decode=" + bad)
+        assert p.returncode == 2 and said in p.stderr, (bad, p.stderr)
 
 
 def test_pack_file_that_is_a_fifo_is_an_error(tmp_path):

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "dflash/chat.h"
@@ -230,16 +231,43 @@ static void test_template_from_pack(void **state) {
     assert_int_equal(tu_write_file(path, "{\"x\": 1}", 8), 0);
     assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_FORMAT);
     remove(path);
-    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    text = (char *)"x";
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_OK); /* none */
+    assert_null(text);
+    assert_int_equal(df_chat_template_load(dir, &t, &err), DF_ERR_IO);
     /* a tokenizer_config.json without the key: no template (the built-in one applies); with a
      * key of the wrong type: a format error */
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     const char *tc = "{\"eos_token\": \"<|im_end|>\"}";
     assert_int_equal(tu_write_file(path, tc, strlen(tc)), 0);
-    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_OK);
+    assert_null(text);
     const char *tc2 = "{\"chat_template\": 7}";
     assert_int_equal(tu_write_file(path, tc2, strlen(tc2)), 0);
     assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_FORMAT);
+    remove(path);
+    /* present but unreadable (a FIFO, a folder, a link loop) or empty: errors naming the file,
+     * never "no template" */
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    assert_non_null(strstr(err.msg, "chat_template.jinja: not a regular file"));
+    remove(path);
+    assert_int_equal(mkdir(path, 0700), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    assert_non_null(strstr(err.msg, "is a folder"));
+    rmdir(path);
+    assert_int_equal(symlink("chat_template.jinja", path), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
+    assert_non_null(strstr(err.msg, "chat_template.jinja: cannot open"));
+    remove(path);
+    assert_int_equal(tu_write_file(path, "", 0), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_FORMAT);
+    assert_non_null(strstr(err.msg, "empty chat template"));
+    remove(path);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    assert_int_equal(df_chat_template_read(dir, &text, &len, &err), DF_ERR_IO);
     remove(path);
     rmdir(dir);
 }

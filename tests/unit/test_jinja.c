@@ -418,6 +418,14 @@ static void test_limits(void **state) {
     assert_int_equal(render("{{ 'x' * 1000 }}", NULL, &lim, &out, &err), DF_ERR_RANGE);
     assert_int_equal(render("{{ 'x' * 10 }}", NULL, &lim, &out, &err), DF_OK);
     free(out);
+    /* a value longer than the limit, printed or through a filter: the limit is named (not
+     * "out of memory", which it is not) */
+    char big[400];
+    snprintf(big, sizeof big, "{\"s\": \"%0300d\"}", 0);
+    assert_int_equal(render("ab{{ s }}", big, &lim, &out, &err), DF_ERR_RANGE);
+    assert_non_null(strstr(err.msg, "template output exceeds the limit of 100 bytes"));
+    assert_int_equal(render("ab{{ s|upper }}", big, &lim, &out, &err), DF_ERR_RANGE);
+    assert_non_null(strstr(err.msg, "exceeds the limit"));
     lim = (df_jinja_limits){.max_depth = 10};
     assert_int_equal(render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", NULL, &lim, &out, &err),
                      DF_ERR_RANGE);

@@ -312,8 +312,8 @@ static void test_bad_config(void **state) {
     expect_load_ok(d);
 }
 
-/* A pack file that is a FIFO (whose open or read would block forever) or a folder: a clear
- * error naming it, at once. */
+/* A pack file that is a FIFO (whose open or read would block forever), a folder or a link
+ * loop: a clear error naming it, at once. */
 static void test_special_files(void **state) {
     (void)state;
     static const char *names[] = {"config.json", TINY_ST, "generation_config.json"};
@@ -327,6 +327,15 @@ static void test_special_files(void **state) {
         assert_int_equal(mkdir(p, 0700), 0);
         expect_load_error(d, DF_ERR_IO, names[i], "is a folder, not a file");
         assert_int_equal(rmdir(p), 0);
+    }
+    /* a symbolic link that loops, where an optional file would be: an error, not "absent" */
+    static const char *loops[] = {"config.json", "generation_config.json"};
+    for (size_t i = 0; i < sizeof loops / sizeof loops[0]; i++) {
+        const char *d = fresh();
+        const char *p = tw_path(d, loops[i]);
+        assert_int_equal(remove(p), 0);
+        assert_int_equal(symlink(loops[i], p), 0);
+        expect_load_error(d, DF_ERR_IO, loops[i], "cannot open");
     }
 }
 

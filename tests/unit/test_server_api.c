@@ -316,9 +316,7 @@ static void test_request_huge_numbers(void **state) {
         {"seed", "-99999999999999999999",
          "Invalid 'seed': expected an integer >= -9223372036854775808 and <= 9223372036854775807, but got "
          "-99999999999999999999 instead."},
-        {"n", "1e400",
-         "Invalid 'n': expected an integer >= 1 and <= 128, but got 1e400 instead. This server generates one choice "
-         "per request: 'n' must be 1."},
+        {"n", "1e400", "Invalid 'n': one choice per prompt is generated; 'n' must be 1, but got 1e400."},
         {"top_k", "99999999999999999999",
          "Invalid 'top_k': expected an integer >= -1 and <= 1073741824, but got 99999999999999999999 instead."},
         {"top_logprobs", "1e400", "Invalid 'top_logprobs': expected an integer >= 0 and <= 20, but got 1e400 instead."},
