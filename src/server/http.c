@@ -470,7 +470,7 @@ static int hex_digit(char c) {
  * as they are: a NUL would cut the path short ("/v1/models/demo%00x" read as "/v1/models/demo"),
  * and an escaped slash is data, not a separator ("/v1%2Fmodels" is no route; a model id with a
  * slash is decoded by its route). */
-static size_t unescape_keep_nul(void *cls, struct MHD_Connection *conn, char *s) {
+static size_t unescape_keeping_nul_and_slash(void *cls, struct MHD_Connection *conn, char *s) {
     (void)cls;
     (void)conn;
     char *w = s;
@@ -673,7 +673,7 @@ df_status df_server_listen(df_server *srv, df_error *err) {
         MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT, srv->opt.max_connections,
         MHD_OPTION_CONNECTION_TIMEOUT, srv->opt.timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
         MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv, MHD_OPTION_CONNECTION_MEMORY_LIMIT, srv->opt.max_header,
-        MHD_OPTION_UNESCAPE_CALLBACK, unescape_keep_nul, NULL, MHD_OPTION_END);
+        MHD_OPTION_UNESCAPE_CALLBACK, unescape_keeping_nul_and_slash, NULL, MHD_OPTION_END);
     if (!d) {
         close(fd);
         watch_free(srv);
