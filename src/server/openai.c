@@ -667,7 +667,7 @@ static int parse_prompt(df_api_request *req, int vocab, df_api_error *e) {
         if (n == 0)
             return df_api_error_set(e, 400, INVALID, "invalid_value", "prompt", "Invalid 'prompt': the prompt is empty.");
         json_t *first = json_array_get(p, 0);
-        if (json_is_integer(first) || overflow_text(first)) {
+        if (json_is_number(first) || overflow_text(first)) { /* token ids (a number that is none is named) */
             if (check_ids(p, "prompt", vocab, e)) return -1;
             req->prompts[req->n_prompts++] = p;
         } else {

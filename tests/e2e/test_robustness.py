@@ -318,6 +318,9 @@ def test_prompt_ids_past_the_tokenizer(srv):
         pytest.skip("the token counts are those of the demo model")
     assert_error(requests.post(srv.url + "/v1/completions", json={"prompt": [1, 2048], "max_tokens": 2}, timeout=60),
                  400, "invalid_value", "prompt[1]")
+    err = assert_error(requests.post(srv.url + "/v1/completions", json={"prompt": [2047.5], "max_tokens": 2},
+                                     timeout=60), 400, "invalid_type", "prompt[0]")
+    assert "a token id (an integer)" in err["message"], err
     for ids in ([1, 2016], [1, 2040], [2047]):
         r = requests.post(srv.url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True,
                                                              "temperature": 0}, timeout=60)
