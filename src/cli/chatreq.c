@@ -163,5 +163,7 @@ void cli_note_ignored_fields(const char *cmd, const char *path, json_t *root) {
         int n = snprintf(list + len, sizeof list - len, "%s%.64s", len ? ", " : "", key);
         if (n > 0) len += (size_t)n < sizeof list - len ? (size_t)n : sizeof list - len - 1;
     }
-    if (len) fprintf(stderr, "dflash %s: note: %s: fields that only the server acts on are ignored: %s\n", cmd, path, list);
+    if (len)
+        fprintf(stderr, "dflash %s: note: %s: fields this command does not act on (the server's, or unknown ones) are ignored: %s\n",
+                cmd, path, list);
 }

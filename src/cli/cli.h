@@ -90,7 +90,9 @@ int cli_model_dir(const char *given, char *out, size_t cap);
 /* The embedded demo model's folder (models/demo next to the binary's folder, else in the source
  * tree), quietly: 0, or -1 when not found. */
 int cli_demo_model_dir(char *out, size_t cap);
-/* The public name of a model folder: its basename (after resolving "." and links). */
+/* The public name of a model folder: its basename (after resolving "." and links), as text for
+ * JSON and logs (control characters, and every non-ASCII byte of a name that is not UTF-8,
+ * become '_'). */
 void cli_model_id(const char *dir, char *out, size_t cap);
 /* Parses "1,2,3" (option `what` of cmd) into a malloc'd id array: decimal integers that fit 32
  * bits (negative ones too: the caller checks the ids against its vocabulary and names the range).

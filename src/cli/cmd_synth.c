@@ -28,7 +28,7 @@ static const char SYNTH_HELP[] =
     "Writes a random pack with the exact shapes and formats of a preset (for speed and memory\n"
     "measurements; its text is meaningless) and a DFlash drafter in DIR/drafter.\n\n"
     "options:\n"
-    "  --out DIR           output folder: new or empty (required)\n"
+    "  --out DIR           output folder: new, or without pack files (required)\n"
     "  --config 27b|tiny   preset: Ternary Bonsai 2 27B shapes (about 11 GB) or a tiny one (default: 27b)\n"
     "  --tokenizer DIR     folder whose tokenizer.json (+ tokenizer_config.json, chat_template.jinja)\n"
     "                      is copied (default: $DFLASH_MODEL, else the embedded demo model)\n"

@@ -215,12 +215,20 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
 }
 
 int cli_parse(cli_command *cmd, int argc, char **argv) {
+    /* --help (or -h) where an option may stand, before any error: the value of an option that
+     * takes one is skipped, so `--prompt -h` prompts with "-h" */
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             print_help(cmd);
             return CLI_EXIT_OK;
         }
+        if (strncmp(a, "--", 2) != 0 || strchr(a, '=')) continue;
+        for (int k = 0; k < cmd->n_opts; k++)
+            if (strcmp(cmd->opts[k].name, a + 2) == 0) {
+                if (cmd->opts[k].kind != CLI_FLAG && i + 1 < argc && !cli_is_option(argv[i + 1])) i++;
+                break;
+            }
     }
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
@@ -305,6 +313,14 @@ void cli_model_id(const char *dir, char *out, size_t cap) {
     snprintf(out, cap, "%.*s", (int)(n - start), p + start);
     if (!out[0]) snprintf(out, cap, "model");
     free(real);
+    /* the id is text in JSON answers and log lines: control characters become '_', and a name
+     * that is not UTF-8 keeps its ASCII bytes only (the others become '_') */
+    const size_t len = strlen(out);
+    const int bad_utf8 = df_utf8_invalid_at(out, len) < len;
+    for (size_t i = 0; i < len; i++) {
+        const unsigned char c = (unsigned char)out[i];
+        if (c < 0x20 || c == 0x7f || (bad_utf8 && c >= 0x80)) out[i] = '_';
+    }
 }
 
 int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32_t **ids, size_t *n) {

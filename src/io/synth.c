@@ -515,7 +515,9 @@ df_status df_synth_pack(const df_synth_options *o, df_error *err) {
         snprintf(path, sizeof path, "%s/%s", o->out_dir, pack_files[i]);
         if (access(path, F_OK) == 0)
             return df_error_set(err, DF_ERR_INVALID_ARG,
-                                "synth: %s already exists; the output folder must be new or hold no pack", path);
+                                "synth: %s already exists; the output folder must be new or hold no pack files (a pack, or "
+                                "the part of one an interrupted run left: delete it or choose another folder)",
+                                path);
     }
     snprintf(src, sizeof src, "%s/tokenizer.json", tokdir);
     if (access(src, R_OK) != 0)

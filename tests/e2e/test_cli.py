@@ -575,6 +575,43 @@ def test_ids_past_the_tokenizer_are_the_models():
         assert p.returncode == 2 and said in p.stderr, (bad, p.stderr)
 
 
+def test_dash_h_as_an_option_value_is_a_value():
+    """Only an argument where an option may stand asks for help: `--text -h` encodes "-h"."""
+    p = run_cli("tokenize", "--text", "-h")
+    assert p.returncode == 0 and p.stdout.startswith("["), (p.stdout, p.stderr)
+    assert p.stdout == run_cli("tokenize", "--text=-h").stdout
+    p = run_cli("tokenize", "--text", "hi", "-h")
+    assert p.returncode == 0 and p.stdout.startswith("usage:"), p.stdout
+
+
+def test_model_id_must_be_text(tmp_path):
+    """--model-id goes into JSON answers and log lines: not UTF-8, or with control characters,
+    is a usage error (exit 2) rather than a server that answers 500."""
+    for bad in (b"bad\xffid", b"a\nb"):
+        p = subprocess.run([DFLASH_BIN.encode(), b"serve", b"--model-id", bad], capture_output=True, timeout=60,
+                           env=base_env())
+        assert p.returncode == 2 and b"--model-id" in p.stderr, p.stderr
+
+
+def test_model_folder_name_that_is_not_utf8_is_served_as_text(tmp_path):
+    """The served id comes from the folder's name: a name that is not UTF-8 (or holds control
+    characters) is made text ('_' for those bytes), so answers and logs stay valid."""
+    import requests
+    from conftest import Server
+    src = os.path.abspath(str(model_dir() or SOURCE_DIR / "models" / "demo"))
+    pack = os.path.join(os.fsencode(str(tmp_path)), b"m\xff\x01x")
+    os.mkdir(pack)
+    for f in os.listdir(src):
+        os.symlink(os.path.join(src, f), os.path.join(pack, os.fsencode(f)))
+    s = Server(model=os.fsdecode(pack))
+    try:
+        assert requests.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"] == "m__x"
+        r = requests.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == "m__x", r.text
+    finally:
+        s.stop()
+
+
 def test_pack_file_that_is_a_fifo_is_an_error(tmp_path):
     """A pack whose config.json is a FIFO: a clear error at once, not a read that never ends."""
     src = str(model_dir() or SOURCE_DIR / "models" / "demo")
@@ -680,12 +717,12 @@ def test_messages_file_logit_processors_apply_and_server_fields_are_noted(tmp_pa
     p = run_cli("generate", *model_args(), "--messages", str(req), "--json", check=True)
     out = json.loads(p.stdout)
     assert banned not in out["ids"], (banned, out["ids"])
-    note = [l.split("are ignored: ", 1)[1].split(", ") for l in p.stderr.splitlines() if "only the server acts on" in l]
+    note = [l.split("are ignored: ", 1)[1].split(", ") for l in p.stderr.splitlines() if "does not act on" in l]
     assert note and sorted(note[0]) == ["logprobs", "model", "stream"], p.stderr
     # a file of applied fields only prints no note
     p = run_cli("generate", *model_args(), "--messages",
                 str(write_json(tmp_path, "c.json", {**base, "presence_penalty": 2.0})), "--json", check=True)
-    assert "only the server acts on" not in p.stderr, p.stderr
+    assert "does not act on" not in p.stderr, p.stderr
 
 
 def test_bench_plain_run_ended_by_eos(tmp_path):
