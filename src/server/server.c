@@ -58,8 +58,9 @@ int df_server_cors_origin_valid(const char *o) {
     }
     if (i < n && o[i] == ':') { /* port */
         const size_t p0 = ++i;
-        while (i < n && isdigit((unsigned char)o[i])) i++;
-        if (i == p0 || i - p0 > 5) return 0;
+        long port = 0;
+        while (i < n && isdigit((unsigned char)o[i]) && i - p0 < 5) port = port * 10 + (o[i++] - '0');
+        if (i == p0 || port > 65535 || (i < n && isdigit((unsigned char)o[i]))) return 0;
     }
     return i == n;
 }

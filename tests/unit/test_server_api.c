@@ -177,7 +177,8 @@ static void test_cors(void **state) {
     df_http_response_free(&r);
     df_server_free(srv);
     const char *bad[] = {"https://a.example https://b.example", "https://a,https://b", "https://a.example/", "foo",
-                         "\"*\"", "NONE", "https://", "https://a:123456", "https://[::1", "ht tp://a"};
+                         "\"*\"", "NONE", "https://", "https://a:123456", "https://[::1", "ht tp://a",
+                         "http://a.com:99999", "http://a:65536"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         o.cors_origin = bad[i];
         assert_int_equal(df_server_init(&srv, &o, &err), DF_ERR_INVALID_ARG);
@@ -185,7 +186,7 @@ static void test_cors(void **state) {
         assert_false(df_server_cors_origin_valid(bad[i]));
     }
     const char *good[] = {"*", "null", "http://localhost:3000", "https://app.example", "http://[::1]:8080",
-                          "chrome-extension://abcdef", "http://127.0.0.1"};
+                          "chrome-extension://abcdef", "http://127.0.0.1", "http://a:65535", "http://a:0"};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) assert_true(df_server_cors_origin_valid(good[i]));
     o.cors_origin = "https://app.example";
     assert_int_equal(df_server_init(&srv, &o, &err), DF_OK);
