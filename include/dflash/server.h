@@ -112,6 +112,10 @@ df_server_options df_server_options_default(void);
  * 255 characters. */
 int df_server_cors_origin_valid(const char *origin);
 
+/* 1 when id can be the served model id: non-empty UTF-8 text without control characters (it
+ * goes into every JSON answer and log line); df_server_init refuses any other. */
+int df_server_model_id_valid(const char *id);
+
 /* 1 if host names a loopback address ("localhost", 127.0.0.0/8, ::1). */
 int df_server_host_is_loopback(const char *host);
 

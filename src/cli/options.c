@@ -214,6 +214,13 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     return CLI_EXIT_USAGE;
 }
 
+/* The option of cmd named by the nlen bytes at name, or NULL. */
+static cli_opt *find_opt(cli_command *cmd, const char *name, size_t nlen) {
+    for (int k = 0; k < cmd->n_opts; k++)
+        if (strlen(cmd->opts[k].name) == nlen && strncmp(cmd->opts[k].name, name, nlen) == 0) return &cmd->opts[k];
+    return NULL;
+}
+
 int cli_parse(cli_command *cmd, int argc, char **argv) {
     /* --help (or -h) where an option may stand, before any error: the value of an option that
      * takes one is skipped, so `--prompt -h` prompts with "-h" */
@@ -224,20 +231,15 @@ int cli_parse(cli_command *cmd, int argc, char **argv) {
             return CLI_EXIT_OK;
         }
         if (strncmp(a, "--", 2) != 0 || strchr(a, '=')) continue;
-        for (int k = 0; k < cmd->n_opts; k++)
-            if (strcmp(cmd->opts[k].name, a + 2) == 0) {
-                if (cmd->opts[k].kind != CLI_FLAG && i + 1 < argc && !cli_is_option(argv[i + 1])) i++;
-                break;
-            }
+        const cli_opt *o = find_opt(cmd, a + 2, strlen(a + 2));
+        if (o && o->kind != CLI_FLAG && i + 1 < argc && !cli_is_option(argv[i + 1])) i++;
     }
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (strncmp(a, "--", 2) != 0 || !a[2]) return cli_usage_error(cmd, "unexpected argument '%s'", a);
         const char *name = a + 2, *eq = strchr(name, '=');
         size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
-        cli_opt *o = NULL;
-        for (int k = 0; k < cmd->n_opts && !o; k++)
-            if (strlen(cmd->opts[k].name) == nlen && strncmp(cmd->opts[k].name, name, nlen) == 0) o = &cmd->opts[k];
+        cli_opt *o = find_opt(cmd, name, nlen);
         if (!o) return cli_usage_error(cmd, "unknown option '%.*s'", (int)(nlen + 2), a);
         const char *v = NULL;
         if (o->kind == CLI_FLAG) {

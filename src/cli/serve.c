@@ -164,10 +164,8 @@ int cmd_serve(int argc, char **argv) {
         return cli_usage_error(&cmd, "listening on '%s' (not a loopback address) requires a non-empty --api-key "
                                      "(or $DFLASH_API_KEY)", host);
     if (model_id && !model_id[0]) return cli_usage_error(&cmd, "--model-id is empty");
-    if (model_id && cli_check_utf8(&cmd, "--model-id", model_id)) return CLI_EXIT_USAGE;
-    for (const char *c = model_id; c && *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7f)
-            return cli_usage_error(&cmd, "--model-id: control characters are not allowed");
+    if (model_id && !df_server_model_id_valid(model_id))
+        return cli_usage_error(&cmd, "--model-id must be UTF-8 text without control characters");
     char dir[4096], id[256];
     if (cli_model_dir(model, dir, sizeof dir)) return CLI_EXIT_FAIL;
     if (!model_id) {

@@ -37,6 +37,14 @@ df_server_options df_server_options_default(void) {
     return o;
 }
 
+int df_server_model_id_valid(const char *id) {
+    if (!id || !id[0]) return 0;
+    const size_t n = strlen(id);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)id[i] < 0x20 || id[i] == 0x7f) return 0;
+    return df_utf8_invalid_at(id, n) >= n;
+}
+
 int df_server_cors_origin_valid(const char *o) {
     if (!o) return 0;
     if (!strcmp(o, "*") || !strcmp(o, "null")) return 1;
@@ -188,14 +196,8 @@ df_status df_server_init(df_server **out, const df_server_options *opt_in, df_er
     if (!opt.host || !opt.host[0]) opt.host = DF_SERVER_DEFAULT_HOST;
     if (!opt.model_id || !opt.model_id[0])
         return df_error_set(err, DF_ERR_INVALID_ARG, "server: a model id is required");
-    { /* it goes into every JSON answer and log line: UTF-8 text without control characters */
-        const size_t n = strlen(opt.model_id);
-        int ctl = 0;
-        for (size_t i = 0; i < n; i++) ctl |= (unsigned char)opt.model_id[i] < 0x20 || opt.model_id[i] == 0x7f;
-        if (ctl || df_utf8_invalid_at(opt.model_id, n) < n)
-            return df_error_set(err, DF_ERR_INVALID_ARG,
-                                "server: the model id must be UTF-8 text without control characters");
-    }
+    if (!df_server_model_id_valid(opt.model_id))
+        return df_error_set(err, DF_ERR_INVALID_ARG, "server: the model id must be UTF-8 text without control characters");
     if (!opt.model_dir || !opt.model_dir[0])
         return df_error_set(err, DF_ERR_INVALID_ARG, "server: a model folder is required");
     if (opt.port < 0 || opt.port > 65535)

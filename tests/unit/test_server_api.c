@@ -188,6 +188,10 @@ static void test_cors(void **state) {
     const char *good[] = {"*", "null", "http://localhost:3000", "https://app.example", "http://[::1]:8080",
                           "chrome-extension://abcdef", "http://127.0.0.1", "http://a:65535", "http://a:0"};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) assert_true(df_server_cors_origin_valid(good[i]));
+    /* the model id: UTF-8 text without control characters */
+    assert_true(df_server_model_id_valid("org/model-v1.2 \xc3\xa9"));
+    const char *bad_ids[] = {"", "a\nb", "a\x7f", "bad\xffid", "\xc3"};
+    for (size_t i = 0; i < sizeof bad_ids / sizeof bad_ids[0]; i++) assert_false(df_server_model_id_valid(bad_ids[i]));
     o.cors_origin = "https://app.example";
     assert_int_equal(df_server_init(&srv, &o, &err), DF_OK);
     r = call(srv, "GET", "/health", NULL, NULL);
