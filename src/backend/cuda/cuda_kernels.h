@@ -110,12 +110,13 @@ int dfk_linear_mma_multi(int mode, int gs, int sb_bf16, int cols, const uint32_t
 /* One quantized input of dfk_qprep: the rotation of its linear (signs: device [cols], NULL
  * when hb = 0; hscale = 1/sqrt(hb)), its group size gs (64 or 128), and the outputs:
  * xq: uint32 [M, 2, cols/gs, 4, gs/32, 2] (B fragments of the two planes), xe, xsx: float
- * [M, cols/gs] (2^E and S·2^E per group). xq == NULL: no quantized output. */
+ * [M, cols/gs] (2^(E + xe_shift) and S·2^E per group; xe_shift: dfk_q_xe_shift of the linear's
+ * bits). xq == NULL: no quantized output. */
 typedef struct dfk_qout {
     const float *signs;
     int hb;
     float hscale;
-    int gs;
+    int gs, xe_shift;
     uint32_t *xq;
     float *xe, *xsx;
 } dfk_qout;
@@ -133,6 +134,10 @@ int dfk_qprep(const float *x, const float *up, const float *norm_w, float eps, i
  * xb layout and bits, v unrotated) for the bf16 tensor-core linears of the same input. */
 int dfk_qprep_takes_xb(int cols, int seg);
 
+/* The exponent offset of the 2^E values that dfk_linear_q takes for bits-bit weights: −4 below
+ * 8 bits (its codes are read as 16 times their values in half of the k-blocks), else 0. */
+int dfk_q_xe_shift(int bits);
+
 /* Code words of a repacked weight [rows, cols] (the sb table has ceil(rows/16)·(cols/gs)·16
  * words). */
 size_t dfk_q_code_words(int rows, int cols, int bits, int gs);
@@ -146,10 +151,12 @@ int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *bi
 
 /* One linear of dfk_linear_q: y[M, rows] (+)= W · x' from the prepared input (xq, xe, xsx of
  * dfk_qprep with this linear's rotation and gs). KW: K-slices (1, 2, 4, 8), from the weight's
- * shape only. add: 1 = y += W·x' (the residual add fused; same bits as a separate add). */
+ * shape only. add: 1 = y += W·x' (the residual add fused; same bits as a separate add). tern:
+ * 1 when the weight is ternary (2-bit codes, every bias exactly the negated scale); a launch
+ * whose linears all are runs kernels that take −scale for the bias (the same bits). */
 typedef struct dfk_qlin {
     const uint32_t *codes, *sb;
-    int rows, cols, KW, add;
+    int rows, cols, KW, add, tern;
     const uint32_t *xq;
     const float *xe, *xsx;
     float *y;
@@ -221,6 +228,9 @@ void dfk_set_q_stage(int which);
  * arithmetic and the scale/bias copies (wrong outputs: timing only); 8 stages the prepared
  * input by every thread's loads instead of bulk copies (the same bits). */
 void dfk_set_q_diag(int bits);
+/* 0: never the ternary kernels of dfk_linear_q (experiments: the same bits; default 1).
+ * Process-wide. */
+void dfk_set_q_tern(int on);
 /* 1: the fixed-point linear's bulk-copy kernel computes the rows of the dense linears riding
  * along right after its input is ready, before its units; 0 (default): after them. The same
  * bits either way. */

@@ -15,7 +15,8 @@
  * (K-slices fixed by the weight's shape, see cuda_backend.c). Every quantity a row's output
  * depends on is computed from that row alone: the result is the same bits for any number of
  * rows M and any work split (backend.h exactness contract). Compared with float32 x', the
- * rounding of x' changes y by at most Σ_G (|s_rG|·Σ_i q_i + |b_rG|·gs) · 2^(E_G−1).
+ * rounding of x' changes y by at most Σ_G (|s_rG|·Σ_i q_i + |b_rG|·gs) · 2^(E_G−1). (Below 8 bits
+ * the kernels form float(16·D)·2^(E−4), the same value: q_mma_group.)
  *
  * Compiled with --fmad=false (no FMA contraction), like cuda_kernels.cu.
  */
@@ -64,10 +65,14 @@ static int launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
  *
  * Layout: per (16-row tile, group, lane (g, t)) WPL = (gs/32)·bits/2 words, stored as NVEC
  * vectors of VEC words: word index (((tile·ng + rec)·NVEC + v)·32 + lane)·VEC + e holds lane
- * word wi = v·VEC + e. With RPW = 8/bits A registers per word, word wi covers k-block
- * kb = wi / (4/RPW) and registers j = (wi % (4/RPW))·RPW + q (q < RPW) at bit offset bits·q;
- * byte i of register j is at bits 8i + bits·q. Register j of lane (g, t) in k-block kb is the
- * m16n8k32 A fragment: row g + 8·(j & 1), columns 4t + i + 16·(j >> 1) of the 32-column block.
+ * word wi = v·VEC + e. Register j of lane (g, t) in k-block kb is the m16n8k32 A fragment: row
+ * g + 8·(j & 1), columns 4t + i + 16·(j >> 1) of the 32-column block, byte i of it at bits
+ * 8i + bits·p of its word, p its position (RPW = 8/bits positions per byte). At 8 bits word
+ * wi = 4·kb + j (p = 0). Below 8 bits the group's k-blocks form two classes (q_code_class: the
+ * first and second half) and a word's positions half each: position p = HW·c + sub (HW = RPW/2)
+ * of word wi holds the register r = HW·wi + sub of class c, r = 4·(kb mod KBG/2) + j. A class-0
+ * register is then (w >> bits·sub) & mask, a class-1 one (w >> bits·sub) & (mask << 4): its
+ * codes times 16 (q_mma_group).
  * Scales and biases: one word (scale | bias << 16) per (tile, group, row), rows g and g + 8
  * adjacent: index ((tile·ng + rec)·8 + g)·2 + half.
  *
@@ -117,11 +122,19 @@ __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__r
         r /= (size_t)nvec;
         const int group = q_group_of_rec((int)(r % (size_t)ng), ng, kwl);
         const int tile = (int)(r / (size_t)ng);
-        const int wi = v * vec + e, kb = wi / (4 / rpw), jw = wi % (4 / rpw);
+        const int wi = v * vec + e, hw = rpw / 2, kbh = kbg / 2;
         const int g = lane >> 2, t = lane & 3;
         uint32_t out = 0;
         for (int q = 0; q < rpw; q++) {
-            const int j = jw * rpw + q;
+            int kb, j;
+            if (bits == 8) {
+                kb = wi / 4;
+                j = wi % 4;
+            } else {
+                const int rr = hw * wi + q % hw;
+                kb = (q / hw) * kbh + rr / 4;
+                j = rr % 4;
+            }
             const int row = tile * 16 + g + 8 * (j & 1);
             if (row >= rows) continue;
             for (int i = 0; i < 4; i++) {
@@ -147,6 +160,8 @@ __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__r
         sb[idx] = o;
     }
 }
+
+extern "C" int dfk_q_xe_shift(int bits) { return bits == 8 ? 0 : -4; }
 
 extern "C" size_t dfk_q_code_words(int rows, int cols, int bits, int gs) {
     return (size_t)((rows + 15) / 16) * (size_t)(cols / gs) * 32 * (size_t)(gs / 32 * bits / 2);
@@ -232,7 +247,7 @@ static __device__ __forceinline__ void q_group(const dfk_qout &O, int m, int ng,
             O.xq[u2 * 2 + (size_t)reg] = p == 0 ? pa : pb;
         }
         if (li == 0) {
-            O.xe[(size_t)m * (size_t)ng + (size_t)G] = bad ? __int_as_float(0x7fc00000) : ldexpf(1.0f, E);
+            O.xe[(size_t)m * (size_t)ng + (size_t)G] = bad ? __int_as_float(0x7fc00000) : ldexpf(1.0f, E + O.xe_shift);
             O.xsx[(size_t)m * (size_t)ng + (size_t)G] = bad ? __int_as_float(0x7fc00000) : ldexpf((float)S, E);
         }
     }
@@ -761,30 +776,48 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
     }
 }
 
-/* Accumulator chains of q_mma_group: one (measured on the H200 against two, plain decoding:
- * 178.6-183.0 against 176.4-177.6 tok/s; the MMA chains of a stage's two records overlap). A
- * compile-time choice (-DQCH=2) for experiments; the bits are the same either way. */
-#ifndef QCH
-#define QCH 1
-#endif
+/* The class of k-block kb of a group below 8 bits (0: codes in place, value q; 1: shifted up
+ * by 4, value 16q; weight repacking) and A register j of k-block kb from this lane's words w. */
+template <int BITS, int GS>
+static __host__ __device__ __forceinline__ constexpr int q_code_class(int kb) {
+    return BITS == 8 ? 0 : kb / (GS / 64);
+}
+template <int BITS, int GS>
+static __device__ __forceinline__ uint32_t q_code_reg(const uint32_t *w, int kb, int j) {
+    if constexpr (BITS == 8) {
+        return w[kb * 4 + j];
+    } else {
+        constexpr int HW = 4 / BITS, HALF = GS / 64; /* positions per class in a word; k-blocks per class */
+        constexpr uint32_t MASK = ((1u << BITS) - 1u) * 0x01010101u;
+        const int r = (kb % HALF) * 4 + j, sub = r % HW;
+        return (w[r / HW] >> (BITS * sub)) & (MASK << (4 * q_code_class<BITS, GS>(kb)));
+    }
+}
 
 /* One group's MMAs and epilogue for TR tiles and NT n-tiles (file comment): the codes w of
  * each tile (this lane's words), its scale/bias word pair sbv, the B fragments bq and the
- * rows' 2^E and S·2^E; adds the group's terms to yv in the fixed order. */
-template <int BITS, int GS, int NT, int TR>
+ * rows' 2^E (xe) and S·2^E (xs); adds the group's terms to yv in the fixed order.
+ *
+ * Below 8 bits the k-blocks fall in two classes (q_code_class): the first half's codes are
+ * taken with their low bits in place (value q), the second half's shifted up by 4 (value 16q),
+ * so that each A register costs one mask (and a word one shift at 2 bits) where a shift and a
+ * mask each were needed. The classes accumulate apart (exact integers, chains L and H), and
+ * their sum 16·L + H = 16·D is used as it is: for these formats the prepared input holds
+ * 2^(E−4) in place of 2^E (dfk_q_xe_shift), and float(16·D)·2^(E−4) = float(D)·2^E, the same
+ * bits (where 2^(E−4) is a float: groups whose largest |x'| is at least 2^−131). TERN
+ * (ternary weights: every bias is the negated scale) takes −s for b instead of converting the
+ * stored bias: the same bits, two conversions fewer a record. */
+template <int BITS, int GS, int NT, int TR, bool TERN = false>
 static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<BITS, GS, NT, TR>::WPL],
                                                    const uint2 (&sbv)[TR],
                                                    const uint32_t (&bq)[NT][qcfg<BITS, GS, NT, TR>::KBG][2],
                                                    const float (&xe)[NT], const float (&xs)[NT], int sb_bf16,
                                                    float (&yv)[TR][NT][2]) {
     typedef qcfg<BITS, GS, NT, TR> C;
-    constexpr int KBG = C::KBG, RPW = C::RPW;
-    /* QCH accumulator chains (k-block kb into chain kb % QCH: shorter dependency chains of
-     * MMAs, at the cost of adding the chains); the integer sums are exact, so their order does
-     * not matter */
-    int D[QCH][TR][NT][4];
+    constexpr int KBG = C::KBG, NCH = BITS == 8 ? 1 : 2;
+    int D[NCH][TR][NT][4];
 #pragma unroll
-    for (int h = 0; h < QCH; h++)
+    for (int h = 0; h < NCH; h++)
 #pragma unroll
         for (int tr = 0; tr < TR; tr++)
 #pragma unroll
@@ -795,12 +828,9 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
         for (int tr = 0; tr < TR; tr++) {
             uint32_t a[4];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int wi = kb * (4 / RPW) + j / RPW;
-                a[j] = (w[tr][wi] >> (BITS * (j % RPW))) & C::MASK;
-            }
+            for (int j = 0; j < 4; j++) a[j] = q_code_reg<BITS, GS>(w[tr], kb, j);
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) imma(D[kb % QCH][tr][nt], a, bq[nt][kb]);
+            for (int nt = 0; nt < NT; nt++) imma(D[q_code_class<BITS, GS>(kb)][tr][nt], a, bq[nt][kb]);
         }
     /* lane (g, t): output rows g (D0, D1) and g + 8 (D2, D3), data row 4nt + t; the planes
      * combine exactly: D = 256·high + low; y += b·S·2^E, then y += s·(D·2^E), both fused
@@ -808,17 +838,13 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
      * decode) */
 #pragma unroll
     for (int tr = 0; tr < TR; tr++) {
-        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = q_h16(sbv[tr].x >> 16, sb_bf16);
-        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = q_h16(sbv[tr].y >> 16, sb_bf16);
+        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = TERN ? -s0 : q_h16(sbv[tr].x >> 16, sb_bf16);
+        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = TERN ? -s1 : q_h16(sbv[tr].y >> 16, sb_bf16);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             int c[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                c[i] = D[0][tr][nt][i];
-#pragma unroll
-                for (int h = 1; h < QCH; h++) c[i] += D[h][tr][nt][i];
-            }
+            for (int i = 0; i < 4; i++) c[i] = NCH == 1 ? D[0][tr][nt][i] : D[0][tr][nt][i] * 16 + D[NCH - 1][tr][nt][i];
             const int d0 = c[0] * 256 + c[1], d1 = c[2] * 256 + c[3];
             const float e = xe[nt], sx = xs[nt];
             yv[tr][nt][0] = fmaf(s0, (float)d0 * e, fmaf(b0, sx, yv[tr][nt][0]));
@@ -1591,7 +1617,7 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
  * ring0, barriers at bar0; stage and parity: the ring's cursor), their groups' terms summed
  * into yv in order (zeroed first), the input addressed as A says (qb_lin_of). Lane 0 refills
  * each stage once read, by issue(stage address, barrier address). */
-template <int BITS, int GS, int NT, int SBF, int NS, int QC, class Iss>
+template <int BITS, int GS, int NT, int SBF, int NS, int QC, bool TERN, class Iss>
 static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_lin<NT> A, int lane, int nj,
                                                      const unsigned char *qsm, uint32_t smem0, uint32_t ring0,
                                                      uint32_t bar0, int &stage, unsigned &parity,
@@ -1630,14 +1656,15 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
                     qb_load_step<BITS, GS, NT>(qsm, stp, r + h, QC, lane, g, ba, ea, A, bq[h], e[h], sx[h], w[h][0],
                                                sbv[h][0]);
 #pragma unroll
-                for (int h = 0; h < 2; h++) q_mma_group<BITS, GS, NT, 1>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
+                for (int h = 0; h < 2; h++)
+                    q_mma_group<BITS, GS, NT, 1, TERN>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
             }
             if (r < n) {
                 uint32_t bq[NT][KBG][2], w[1][WPL];
                 float e[NT], sx[NT];
                 uint2 sbv[1];
                 qb_load_step<BITS, GS, NT>(qsm, stp, r, QC, lane, g, ba, ea, A, bq, e, sx, w[0], sbv[0]);
-                q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
+                q_mma_group<BITS, GS, NT, 1, TERN>(w, sbv, bq, e, sx, SBF, yv);
             }
         }
         /* the stage is read: lane 0 refills it with the run's next records */
@@ -1672,7 +1699,7 @@ static __device__ __forceinline__ void qb_riders(const qlaunch &P, int cta, int 
 
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
-template <int BITS, int GS, int NT, int SBF, int NS, int QC>
+template <int BITS, int GS, int NT, int SBF, int NS, int QC, bool TERN>
 __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
     typedef qbulk<C::WPL, NS, QC> B;
@@ -1749,7 +1776,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
         const int tile0 = (u << (3 - kwl)) + tbase;
         const bool tvalid[1] = {tile0 < tiles};
         float yv[1][NT][2];
-        qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(
+        qb_unit_steps<BITS, GS, NT, SBF, NS, QC, TERN>(
             P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0,
             bar0, stage, parity, yv,
             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
@@ -1870,12 +1897,20 @@ template <int BITS, int GS, int NT, int NS, int QC>
 static size_t qb_smem(size_t in) {
     return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS, QC>::BYTES; /* the zero record in the last 64 bytes before the rings */
 }
+/* tern: every linear of the launch is ternary (dfk_qlin.tern); a ternary kernel exists for
+ * 2-bit codes in groups of 128 (other shapes run the general one: the same bits). */
 template <int BITS, int GS, int NT, int NS, int QC>
-static void (*qb_kernel(int sb_bf16))(qlaunch) {
-    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC> : k_lin_qb<BITS, GS, NT, 0, NS, QC>;
+static void (*qb_kernel(int sb_bf16, bool tern))(qlaunch) {
+    if constexpr (BITS == 2 && GS == 128) {
+        if (tern) return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC, true> : k_lin_qb<BITS, GS, NT, 0, NS, QC, true>;
+    }
+    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC, false> : k_lin_qb<BITS, GS, NT, 0, NS, QC, false>;
 }
 
 static int g_q_diag = 0;
+/* 0: the ternary kernels never (dfk_set_q_tern; experiments: the same bits either way) */
+static int g_q_tern = 1;
+extern "C" void dfk_set_q_tern(int on) { g_q_tern = on ? 1 : 0; }
 /* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..3 = qb_shape 0..2
  * (dfk_set_q_stage) */
 static int g_q_stage[2] = {0, 0};
@@ -1896,9 +1931,9 @@ struct qb_shape {
     static constexpr int NS = NT == 1 ? (I == 2 ? 3 : 2) : (I == 1 ? 3 : 2);
 };
 template <int BITS, int GS, int NT, int I>
-static void qb_shape_kernel(int sb_bf16, size_t in, void (*&kern)(qlaunch), size_t &smem) {
+static void qb_shape_kernel(int sb_bf16, bool tern, size_t in, void (*&kern)(qlaunch), size_t &smem) {
     typedef qb_shape<NT, I> S;
-    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16);
+    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16, tern);
     smem = qb_smem<BITS, GS, NT, S::NS, S::QC>(in);
 }
 
@@ -1917,17 +1952,19 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     }
     in = (in + 127) & ~(size_t)127;
     if (in > g_qsmem_max) return 0;
+    bool tern = g_q_tern != 0;
+    for (int i = 0; i < P.n; i++) tern = tern && P.d[i].tern;
     void (*kern[3])(qlaunch);
     size_t smem[3];
-    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, in, kern[0], smem[0]);
-    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, in, kern[1], smem[1]);
-    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, in, kern[2], smem[2]);
-    static q_occ occ[3][2];
+    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, tern, in, kern[0], smem[0]);
+    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, tern, in, kern[1], smem[1]);
+    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, tern, in, kern[2], smem[2]);
+    static q_occ occ[3][4];
     int per[3] = {0, 0, 0}, most = 0;
     const int want = g_q_stage[NT - 1];
     for (int i = 0; i < 3; i++) {
         if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
-        per[i] = q_occupancy(kern[i], smem[i], occ[i][P.sb_bf16 ? 1 : 0]);
+        per[i] = q_occupancy(kern[i], smem[i], occ[i][(P.sb_bf16 ? 1 : 0) + (tern ? 2 : 0)]);
         most = per[i] > most ? per[i] : most;
     }
     int best = -1;
