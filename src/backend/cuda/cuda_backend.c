@@ -15,7 +15,6 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/step_writes.h"
-#include "dflash/safetensors.h"
 
 /* ---- tables ----------------------------------------------------------------------------------- */
 
@@ -359,17 +358,15 @@ static int choose_kw_q(int rows, int ng, int ring) {
 
 static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
 
-/* 1 when every group's bias is exactly the negated scale (as numbers: ±0 both match zero; a
- * NaN never): a ternary weight, w = s·(q − 1). */
+/* 1 when every group's bias is exactly the negated scale, bit for bit (the scale's sign bit
+ * flipped; finite scales): a ternary weight, w = s·(q − 1), for which −s computed on the device
+ * has exactly the bias's bits. */
 static int biases_negate_scales(const df_linear *L) {
     const size_t n = (size_t)L->rows * (size_t)(L->cols / L->group_size);
     const uint16_t *s = L->scales, *b = L->biases;
-    const int bf = L->sdtype == DF_DTYPE_BF16;
-    for (size_t i = 0; i < n; i++) {
-        const float fs = bf ? df_bf16_to_f32(s[i]) : df_f16_to_f32(s[i]);
-        const float fb = bf ? df_bf16_to_f32(b[i]) : df_f16_to_f32(b[i]);
-        if (!(fb == -fs)) return 0;
-    }
+    const uint16_t inf = L->sdtype == DF_DTYPE_BF16 ? 0x7f80u : 0x7c00u; /* exponent all ones */
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != (uint16_t)(s[i] ^ 0x8000u) || (s[i] & inf) == inf) return 0;
     return 1;
 }
 

@@ -220,9 +220,9 @@ void dfk_set_pdl(int on);
  * number of units. Which CTA runs a unit never changes its bits. */
 void dfk_set_q_full_grid(int on);
 /* The ring shape of k_lin_qb (scheduling only, never the bits): 0 = the first of its shapes that
- * keeps two CTAs per SM, or the most any gives (default); 1, 2, 3 = that shape where it fits (one
- * n-tile: 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3, 2 x 2);
- * 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
+ * keeps two CTAs per SM, or the most any gives (default); 1..4 = that shape where it fits (one
+ * n-tile: 10 x 2, 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3,
+ * 2 x 2); 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
 void dfk_set_q_stage(int which);
 /* Experiments of the bulk-copy fixed-point linear (0 = none, the default): 2 and 4 skip the
  * arithmetic and the scale/bias copies (wrong outputs: timing only); 8 stages the prepared

@@ -552,6 +552,8 @@ struct qlaunch {
                      thread's loads instead of bulk copies (the same bits); timing only: 2 = no
                      arithmetic, 4 = no scale/bias copies (wrong outputs) */
     int ride_first; /* k_lin_qb: 1 = the riders' rows right after the wait, before the units */
+    int uq, ur;     /* CTA c of the grid runs units [c·uq + min(c, ur), ...): uq + 1 of them for
+                       c < ur, else uq (q_grid_of, from the units and the grid size) */
     dlaunch dn;   /* dense linears riding along (k_lin_qb: their rows after the CTA's units; the
                      other kernels launch them first, as k_lin_dense); dn.n = 0: none */
 };
@@ -914,7 +916,7 @@ static __device__ __forceinline__ int q_unit_lin(const qlaunch &P, int u) {
     return di;
 }
 
-/* A persistent grid: CTA c takes the units [c·U/G, (c+1)·U/G) in order. A unit = 8 warps =
+/* A persistent grid: CTA c takes its run of units (qlaunch.uq, ur) in order. A unit = 8 warps =
  * RW row-warps x KW K-slices of one linear of the launch (units start[i] .. start[i+1]−1 belong
  * to linear i). Warp (rw, kw) handles TR tiles and the groups kw, kw + KW, ... in order; the KW
  * partial sums are added in order kw = 0..KW−1. While a unit runs, the lines of the CTA's next
@@ -927,8 +929,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
     extern __shared__ __align__(16) unsigned char qsm[];
     pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
-    const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
+    const int c = (int)blockIdx.x;
+    const int u_begin = c * P.uq + (c < P.ur ? c : P.ur), u_end = u_begin + P.uq + (c < P.ur ? 1 : 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int M = P.M, sb_bf16 = P.sb_bf16;
     /* the first unit's first batch of codes, loaded before waiting for the previous kernel
@@ -1010,7 +1012,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
 /* ---- the streaming variant: a ring of code tiles in shared memory ---------------------------
  *
  * Same units, K-slices and arithmetic as k_lin_q (q_mma_group, q_finish: the same bits), one
- * tile per warp, on a persistent grid: CTA c runs the units [c·U/G, (c+1)·U/G) and each warp
+ * tile per warp, on a persistent grid: CTA c runs its run of units (qlaunch.uq, ur) and each warp
  * streams its (unit, group) steps through a ring of QS slots in shared memory filled by
  * cp.async, QS − 1 steps ahead, across the ends of units and linears. A lane copies its own
  * code words and scale/bias pair of a step and reads back only those: its own
@@ -1338,8 +1340,8 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     extern __shared__ __align__(16) unsigned char qsm[];
     pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    const int U = P.start[P.n], G = (int)gridDim.x, c = (int)blockIdx.x;
-    const int u_begin = (int)(((long long)c * U) / G), u_end = (int)(((long long)(c + 1) * U) / G);
+    const int c = (int)blockIdx.x;
+    const int u_begin = c * P.uq + (c < P.ur ? c : P.ur), u_end = u_begin + P.uq + (c < P.ur ? 1 : 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     /* this warp's ring of QS slots */
     const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(qsm + P.ring_off) + (uint32_t)(warp * QS * SLOT);
@@ -1708,7 +1710,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
     extern __shared__ __align__(128) unsigned char qsm[];
     pdl_trigger(); /* before the trace's load: the next kernel's launch waits for every CTA's trigger */
     const dfk_tr_start trs = dfk_tr_begin();
-    const int U = P.start[P.n], G = (int)gridDim.x, cta = (int)blockIdx.x;
+    const int G = (int)gridDim.x, cta = (int)blockIdx.x;
     if (P.dn.n > 0) { /* this CTA's rider rows (after its units) into L2 now: weights, no wait */
         for (int r = cta; r < P.dn.start[P.dn.n]; r += G) {
             int dj = 0;
@@ -1720,7 +1722,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
                 asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
         }
     }
-    const int u_begin = (int)(((long long)cta * U) / G), u_end = (int)(((long long)(cta + 1) * U) / G);
+    const int u_begin = cta * P.uq + (cta < P.ur ? cta : P.ur), u_end = u_begin + P.uq + (cta < P.ur ? 1 : 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const uint32_t smem0 = (uint32_t)__cvta_generic_to_shared(qsm);
     const uint32_t ring0 = smem0 + (uint32_t)P.ring_off + (uint32_t)(warp * B::RING);
@@ -1797,8 +1799,16 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
 }
 
 
+/* A grid of G CTAs for launch P: sets P's units per CTA (qlaunch.uq, ur). */
+static dim3 q_grid_of(qlaunch &P, unsigned G) {
+    const unsigned U = (unsigned)P.start[P.n];
+    P.uq = (int)(U / G);
+    P.ur = (int)(U % G);
+    return dim3(G);
+}
+
 template <int BITS, int GS, int NT, int TR>
-static int launch_q(const qlaunch &P, unsigned blocks);
+static int launch_q(qlaunch P, unsigned blocks);
 static int dense_launch(const dlaunch &P);
 static int dense_plan(int M, int n, const dfk_dlin *lins, dlaunch *P);
 
@@ -1820,9 +1830,9 @@ extern "C" void dfk_set_qsmem_max(size_t bytes) { g_qsmem_max = bytes; }
 #define Q_SMEM_MAX (100 * 1024)
 
 static int g_q_sms = 132, g_q_persist = 0, g_q_prefetch = 1;
-/* 1 (default): persistent grids of g_q_sms x CTAs per SM (units split by c·U/G); 0: the fewest
- * CTAs that give every CTA the same number of units, which leaves SMs with fewer CTAs than
- * others (dfk_set_q_full_grid; H200: plain decoding 166.8 against 163.0 tok/s, verify passes
+/* 1 (default): persistent grids of g_q_sms x CTAs per SM (each CTA the floor or ceiling of U/G
+ * units); 0: the fewest CTAs that give every CTA the same number of units, which leaves SMs
+ * with fewer CTAs than others (dfk_set_q_full_grid; H200: plain decoding 166.8 against 163.0 tok/s, verify passes
  * 1-2% faster, docs/PERFORMANCE.md) */
 static int g_q_full_grid = 1;
 extern "C" void dfk_set_q_full_grid(int on) { g_q_full_grid = on != 0; }
@@ -1833,10 +1843,10 @@ extern "C" void dfk_set_q_persistent(int on) { g_q_persist = on ? 1 : 0; }
 /* `units` work units: one CTA each (default), or a persistent grid of MINB CTAs per SM
  * (dfk_set_q_persistent; measured slower on the H200). */
 template <int BITS, int GS, int NT, int TR>
-static int launch_q(const qlaunch &P, unsigned units) {
+static int launch_q(qlaunch P, unsigned units) {
     constexpr int MINB = NT <= 2 ? 2 : 1;
     const unsigned cap = (unsigned)(g_q_sms * MINB);
-    const unsigned blocks = (g_q_persist && units > cap) ? cap : units;
+    const dim3 blocks = q_grid_of(P, (g_q_persist && units > cap) ? cap : units);
     if constexpr (NT <= 2) {
         size_t smem = 0;
         for (int i = 0; i < P.n; i++) {
@@ -1850,10 +1860,10 @@ static int launch_q(const qlaunch &P, unsigned units) {
                                      Q_SMEM_MAX);
                 attr = true;
             }
-            return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, true>, dim3(blocks), dim3(256), smem, P);
+            return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, true>, blocks, dim3(256), smem, P);
         }
     }
-    return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, false>, dim3(blocks), dim3(256), 0, P);
+    return launch_pdl(k_lin_q<BITS, GS, NT, TR, MINB, false>, blocks, dim3(256), 0, P);
 }
 
 /* Shared memory a k_lin_qr CTA may take for the input copy and the rings. */
@@ -1911,24 +1921,26 @@ static int g_q_diag = 0;
 /* 0: the ternary kernels never (dfk_set_q_tern; experiments: the same bits either way) */
 static int g_q_tern = 1;
 extern "C" void dfk_set_q_tern(int on) { g_q_tern = on ? 1 : 0; }
-/* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..3 = qb_shape 0..2
+/* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..4 = qb_shape 0..3
  * (dfk_set_q_stage) */
 static int g_q_stage[2] = {0, 0};
 extern "C" void dfk_set_q_stage(int which) {
     const int a = which >= 10 ? which / 10 : which, b = which >= 10 ? which % 10 : which;
-    g_q_stage[0] = a >= 0 && a <= 3 ? a : 0;
+    g_q_stage[0] = a >= 0 && a <= 4 ? a : 0;
     g_q_stage[1] = b >= 0 && b <= 3 ? b : 0;
 }
 extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 14; }
 static int g_ride_first = 0;
 extern "C" void dfk_set_ride_first(int on) { g_ride_first = on ? 1 : 0; }
-/* Ring shape I (0..2) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
- * per warp NS; one n-tile 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2. Its kernel and
- * its dynamic shared memory for an input copy of `in` bytes. */
+/* Ring shape I (0..3) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
+ * per warp NS; one n-tile 10 x 2, 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2 (and
+ * 2 x 2 again). Its kernel and its dynamic shared memory for an input copy of `in` bytes. A
+ * stage takes at most the records of one unit of a warp: 10 for the linears of 5120 columns
+ * (40 groups in 4 K-slices), which 8 x 2 took in two stages. */
 template <int NT, int I>
 struct qb_shape {
-    static constexpr int QC = NT == 1 ? (I == 0 ? 8 : (I == 1 ? 6 : 2)) : (I == 0 ? 4 : 2);
-    static constexpr int NS = NT == 1 ? (I == 2 ? 3 : 2) : (I == 1 ? 3 : 2);
+    static constexpr int QC = NT == 1 ? (I == 0 ? 10 : (I == 1 ? 8 : (I == 2 ? 6 : 2))) : (I == 0 ? 4 : 2);
+    static constexpr int NS = NT == 1 ? (I == 3 ? 3 : 2) : (I == 1 ? 3 : 2);
 };
 template <int BITS, int GS, int NT, int I>
 static void qb_shape_kernel(int sb_bf16, bool tern, size_t in, void (*&kern)(qlaunch), size_t &smem) {
@@ -1954,26 +1966,28 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     if (in > g_qsmem_max) return 0;
     bool tern = g_q_tern != 0;
     for (int i = 0; i < P.n; i++) tern = tern && P.d[i].tern;
-    void (*kern[3])(qlaunch);
-    size_t smem[3];
+    void (*kern[4])(qlaunch);
+    size_t smem[4];
     qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, tern, in, kern[0], smem[0]);
     qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, tern, in, kern[1], smem[1]);
     qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, tern, in, kern[2], smem[2]);
-    static q_occ occ[3][4];
-    int per[3] = {0, 0, 0}, most = 0;
+    qb_shape_kernel<BITS, GS, NT, 3>(P.sb_bf16, tern, in, kern[3], smem[3]);
+    static q_occ occ[4][4];
+    int per[4] = {0, 0, 0, 0}, most = 0;
     const int want = g_q_stage[NT - 1];
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
         per[i] = q_occupancy(kern[i], smem[i], occ[i][(P.sb_bf16 ? 1 : 0) + (tern ? 2 : 0)]);
         most = per[i] > most ? per[i] : most;
     }
     int best = -1;
-    for (int i = 0; i < 3 && best < 0; i++)
+    for (int i = 0; i < 4 && best < 0; i++)
         if (per[i] > 0 && per[i] >= (most < 2 ? most : 2)) best = i;
     if (best < 0) return 0;
     const int best_per = per[best];
     P.ring_off = (int)(in + 128);
-    *st = launch_pdl(kern[best], dim3(q_grid(P, units, best_per)), dim3(256), smem[best], P);
+    const dim3 grid = q_grid_of(P, q_grid(P, units, best_per));
+    *st = launch_pdl(kern[best], grid, dim3(256), smem[best], P);
     return 1;
 }
 
@@ -2004,7 +2018,8 @@ static int launch_qr(qlaunch P, unsigned units) {
                                       : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 0> : k_lin_qr<BITS, GS, NT, MINB, false, 0>);
     static q_occ occ[4];
     const int per_sm = q_occupancy(kern, smem, occ[(smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0)]);
-    return launch_pdl(kern, dim3(q_grid(P, units, per_sm)), dim3(256), smem, P);
+    const dim3 grid = q_grid_of(P, q_grid(P, units, per_sm));
+    return launch_pdl(kern, grid, dim3(256), smem, P);
 }
 
 template <int BITS, int GS, int NT>
