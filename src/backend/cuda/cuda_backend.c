@@ -42,7 +42,6 @@ typedef struct wentry {
     int mode;   /* W_LIN: LIN_SIMPLE or DFK_MMA_* */
     int lgs;    /* group size of the MMA layout */
     int KW;     /* K-slices of the MMA linear (from the shape only) */
-    int tern;   /* LIN_Q, 2-bit: every bias is the negated scale (dfk_qlin.tern) */
 } wentry;
 
 typedef struct aentry {
@@ -358,18 +357,6 @@ static int choose_kw_q(int rows, int ng, int ring) {
 
 static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
 
-/* 1 when every group's bias is exactly the negated scale, bit for bit (the scale's sign bit
- * flipped; finite scales): a ternary weight, w = s·(q − 1), for which −s computed on the device
- * has exactly the bias's bits. */
-static int biases_negate_scales(const df_linear *L) {
-    const size_t n = (size_t)L->rows * (size_t)(L->cols / L->group_size);
-    const uint16_t *s = L->scales, *b = L->biases;
-    const uint16_t inf = L->sdtype == DF_DTYPE_BF16 ? 0x7f80u : 0x7c00u; /* exponent all ones */
-    for (size_t i = 0; i < n; i++)
-        if (b[i] != (uint16_t)(s[i] ^ 0x8000u) || (s[i] & inf) == inf) return 0;
-    return 1;
-}
-
 /* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
 static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     int fresh;
@@ -397,7 +384,6 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     e->mode = LIN_SIMPLE;
     e->lgs = 0;
     e->KW = 1;
-    e->tern = 0;
     const int rows = L->rows, cols = L->cols, tiles = (rows + 15) / 16;
     const size_t sb_bytes = L->bits > 0 ? (size_t)rows * (size_t)(cols / L->group_size) * 2 : 0;
     if (kind == W_LIN && !cb->force_simple) {
@@ -413,7 +399,6 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     if (e->mode != LIN_SIMPLE && e->mode != LIN_DENSE) { /* repacked on the device */
         const int ng = cols / e->lgs, q = e->mode == LIN_Q, quant = e->mode != DFK_MMA_BF16;
         e->KW = q ? choose_kw_q(rows, ng, cb->q_ring) : choose_kw(rows, ng);
-        e->tern = q && L->bits == 2 && biases_negate_scales(L);
         const size_t wpl = e->mode == DFK_MMA_BF16 ? (size_t)(e->lgs / 16) * 4 : (size_t)e->mode * (size_t)e->lgs / 64;
         const size_t nwords = q ? dfk_q_code_words(rows, cols, L->bits, L->group_size)
                                 : (size_t)tiles * (size_t)ng * 32 * wpl;
@@ -1301,7 +1286,6 @@ static void lin_group(cuda_backend *cb, const float *x, const float *up, const f
             l->xq = cb->qx[k];
             l->xe = cb->qe[k];
             l->xsx = cb->qs[k];
-            l->tern = es[j]->tern;
             l->y = ys[j];
             k++;
             const int tiles = (Ws[j]->rows + 15) / 16, RW = 8 / es[j]->KW;
@@ -1893,8 +1877,6 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_q_stage(qst ? atoi(qst) : 0);
     const char *qdg = getenv("DFLASH_CUDA_QDIAG"); /* timing experiments only (dfk_set_q_diag) */
     dfk_set_q_diag(qdg ? atoi(qdg) : 0);
-    const char *qtn = getenv("DFLASH_CUDA_QTERN"); /* 0: the general kernels for ternary weights too */
-    dfk_set_q_tern(!qtn || atoi(qtn) != 0);
     const char *rfs = getenv("DFLASH_CUDA_RIDE_FIRST"); /* where the dense riders run (dfk_set_ride_first) */
     dfk_set_ride_first(rfs && atoi(rfs) > 0);
     const char *mgs = getenv("DFLASH_CUDA_MMA_GROUP"); /* 0: one launch per tensor-core linear (lin_group) */

@@ -151,12 +151,10 @@ int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *bi
 
 /* One linear of dfk_linear_q: y[M, rows] (+)= W · x' from the prepared input (xq, xe, xsx of
  * dfk_qprep with this linear's rotation and gs). KW: K-slices (1, 2, 4, 8), from the weight's
- * shape only. add: 1 = y += W·x' (the residual add fused; same bits as a separate add). tern:
- * 1 when the weight is ternary (2-bit codes, every bias exactly the negated scale); a launch
- * whose linears all are runs kernels that take −scale for the bias (the same bits). */
+ * shape only. add: 1 = y += W·x' (the residual add fused; same bits as a separate add). */
 typedef struct dfk_qlin {
     const uint32_t *codes, *sb;
-    int rows, cols, KW, add, tern;
+    int rows, cols, KW, add;
     const uint32_t *xq;
     const float *xe, *xsx;
     float *y;
@@ -220,17 +218,14 @@ void dfk_set_pdl(int on);
  * number of units. Which CTA runs a unit never changes its bits. */
 void dfk_set_q_full_grid(int on);
 /* The ring shape of k_lin_qb (scheduling only, never the bits): 0 = the first of its shapes that
- * keeps two CTAs per SM, or the most any gives (default); 1..4 = that shape where it fits (one
- * n-tile: 10 x 2, 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3,
- * 2 x 2); 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
+ * keeps two CTAs per SM, or the most any gives (default); 1, 2, 3 = that shape where it fits (one
+ * n-tile: 8 x 2, 6 x 2, 2 x 3 records per stage x stages; two n-tiles: 4 x 2, 2 x 3, 2 x 2);
+ * 10·a + b: a for one n-tile (1..4 rows), b for two (5..8 rows). */
 void dfk_set_q_stage(int which);
 /* Experiments of the bulk-copy fixed-point linear (0 = none, the default): 2 and 4 skip the
  * arithmetic and the scale/bias copies (wrong outputs: timing only); 8 stages the prepared
  * input by every thread's loads instead of bulk copies (the same bits). */
 void dfk_set_q_diag(int bits);
-/* 0: never the ternary kernels of dfk_linear_q (experiments: the same bits; default 1).
- * Process-wide. */
-void dfk_set_q_tern(int on);
 /* 1: the fixed-point linear's bulk-copy kernel computes the rows of the dense linears riding
  * along right after its input is ready, before its units; 0 (default): after them. The same
  * bits either way. */

@@ -806,10 +806,8 @@ static __device__ __forceinline__ uint32_t q_code_reg(const uint32_t *w, int kb,
  * mask each were needed. The classes accumulate apart (exact integers, chains L and H), and
  * their sum 16·L + H = 16·D is used as it is: for these formats the prepared input holds
  * 2^(E−4) in place of 2^E (dfk_q_xe_shift), and float(16·D)·2^(E−4) = float(D)·2^E, the same
- * bits (where 2^(E−4) is a float: groups whose largest |x'| is at least 2^−131). TERN
- * (ternary weights: every bias is the negated scale) takes −s for b instead of converting the
- * stored bias: the same bits, two conversions fewer a record. */
-template <int BITS, int GS, int NT, int TR, bool TERN = false>
+ * bits (where 2^(E−4) is a float: groups whose largest |x'| is at least 2^−131). */
+template <int BITS, int GS, int NT, int TR>
 static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<BITS, GS, NT, TR>::WPL],
                                                    const uint2 (&sbv)[TR],
                                                    const uint32_t (&bq)[NT][qcfg<BITS, GS, NT, TR>::KBG][2],
@@ -840,8 +838,8 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
      * decode) */
 #pragma unroll
     for (int tr = 0; tr < TR; tr++) {
-        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = TERN ? -s0 : q_h16(sbv[tr].x >> 16, sb_bf16);
-        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = TERN ? -s1 : q_h16(sbv[tr].y >> 16, sb_bf16);
+        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = q_h16(sbv[tr].x >> 16, sb_bf16);
+        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = q_h16(sbv[tr].y >> 16, sb_bf16);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             int c[4];
@@ -1619,7 +1617,7 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
  * ring0, barriers at bar0; stage and parity: the ring's cursor), their groups' terms summed
  * into yv in order (zeroed first), the input addressed as A says (qb_lin_of). Lane 0 refills
  * each stage once read, by issue(stage address, barrier address). */
-template <int BITS, int GS, int NT, int SBF, int NS, int QC, bool TERN, class Iss>
+template <int BITS, int GS, int NT, int SBF, int NS, int QC, class Iss>
 static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_lin<NT> A, int lane, int nj,
                                                      const unsigned char *qsm, uint32_t smem0, uint32_t ring0,
                                                      uint32_t bar0, int &stage, unsigned &parity,
@@ -1658,15 +1656,14 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
                     qb_load_step<BITS, GS, NT>(qsm, stp, r + h, QC, lane, g, ba, ea, A, bq[h], e[h], sx[h], w[h][0],
                                                sbv[h][0]);
 #pragma unroll
-                for (int h = 0; h < 2; h++)
-                    q_mma_group<BITS, GS, NT, 1, TERN>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
+                for (int h = 0; h < 2; h++) q_mma_group<BITS, GS, NT, 1>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
             }
             if (r < n) {
                 uint32_t bq[NT][KBG][2], w[1][WPL];
                 float e[NT], sx[NT];
                 uint2 sbv[1];
                 qb_load_step<BITS, GS, NT>(qsm, stp, r, QC, lane, g, ba, ea, A, bq, e, sx, w[0], sbv[0]);
-                q_mma_group<BITS, GS, NT, 1, TERN>(w, sbv, bq, e, sx, SBF, yv);
+                q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
             }
         }
         /* the stage is read: lane 0 refills it with the run's next records */
@@ -1701,7 +1698,7 @@ static __device__ __forceinline__ void qb_riders(const qlaunch &P, int cta, int 
 
 /* Dynamic shared memory of k_lin_qb: the input copy (in bytes, then a 64-byte zero record),
  * then at P.ring_off the rings and barriers (qbulk::BYTES). */
-template <int BITS, int GS, int NT, int SBF, int NS, int QC, bool TERN>
+template <int BITS, int GS, int NT, int SBF, int NS, int QC>
 __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
     typedef qbulk<C::WPL, NS, QC> B;
@@ -1778,7 +1775,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
         const int tile0 = (u << (3 - kwl)) + tbase;
         const bool tvalid[1] = {tile0 < tiles};
         float yv[1][NT][2];
-        qb_unit_steps<BITS, GS, NT, SBF, NS, QC, TERN>(
+        qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(
             P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0,
             bar0, stage, parity, yv,
             [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
@@ -1907,45 +1904,37 @@ template <int BITS, int GS, int NT, int NS, int QC>
 static size_t qb_smem(size_t in) {
     return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS, QC>::BYTES; /* the zero record in the last 64 bytes before the rings */
 }
-/* tern: every linear of the launch is ternary (dfk_qlin.tern); a ternary kernel exists for
- * 2-bit codes in groups of 128 (other shapes run the general one: the same bits). */
 template <int BITS, int GS, int NT, int NS, int QC>
-static void (*qb_kernel(int sb_bf16, bool tern))(qlaunch) {
-    if constexpr (BITS == 2 && GS == 128) {
-        if (tern) return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC, true> : k_lin_qb<BITS, GS, NT, 0, NS, QC, true>;
-    }
-    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC, false> : k_lin_qb<BITS, GS, NT, 0, NS, QC, false>;
+static void (*qb_kernel(int sb_bf16))(qlaunch) {
+    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC> : k_lin_qb<BITS, GS, NT, 0, NS, QC>;
 }
 
 static int g_q_diag = 0;
-/* 0: the ternary kernels never (dfk_set_q_tern; experiments: the same bits either way) */
-static int g_q_tern = 1;
-extern "C" void dfk_set_q_tern(int on) { g_q_tern = on ? 1 : 0; }
-/* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..4 = qb_shape 0..3
+/* k_lin_qb's ring shape for one and for two n-tiles: 0 = by occupancy; 1..3 = qb_shape 0..2
  * (dfk_set_q_stage) */
 static int g_q_stage[2] = {0, 0};
 extern "C" void dfk_set_q_stage(int which) {
     const int a = which >= 10 ? which / 10 : which, b = which >= 10 ? which % 10 : which;
-    g_q_stage[0] = a >= 0 && a <= 4 ? a : 0;
+    g_q_stage[0] = a >= 0 && a <= 3 ? a : 0;
     g_q_stage[1] = b >= 0 && b <= 3 ? b : 0;
 }
 extern "C" void dfk_set_q_diag(int bits) { g_q_diag = bits & 14; }
 static int g_ride_first = 0;
 extern "C" void dfk_set_ride_first(int on) { g_ride_first = on ? 1 : 0; }
-/* Ring shape I (0..3) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
- * per warp NS; one n-tile 10 x 2, 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2 (and
- * 2 x 2 again). Its kernel and its dynamic shared memory for an input copy of `in` bytes. A
- * stage takes at most the records of one unit of a warp: 10 for the linears of 5120 columns
- * (40 groups in 4 K-slices), which 8 x 2 took in two stages. */
+/* Ring shape I (0..2) of k_lin_qb for NT n-tiles, by preference: records per stage QC x stages
+ * per warp NS; one n-tile 8 x 2, 6 x 2, 2 x 3; two n-tiles 4 x 2, 2 x 3, 2 x 2. Its kernel and
+ * its dynamic shared memory for an input copy of `in` bytes. (A 10 x 2 shape first, which takes
+ * a warp's 10 records of a unit of the 5120-column linears in one stage where 8 x 2 takes two,
+ * measured the same on the H200: docs/PERFORMANCE.md.) */
 template <int NT, int I>
 struct qb_shape {
-    static constexpr int QC = NT == 1 ? (I == 0 ? 10 : (I == 1 ? 8 : (I == 2 ? 6 : 2))) : (I == 0 ? 4 : 2);
-    static constexpr int NS = NT == 1 ? (I == 3 ? 3 : 2) : (I == 1 ? 3 : 2);
+    static constexpr int QC = NT == 1 ? (I == 0 ? 8 : (I == 1 ? 6 : 2)) : (I == 0 ? 4 : 2);
+    static constexpr int NS = NT == 1 ? (I == 2 ? 3 : 2) : (I == 1 ? 3 : 2);
 };
 template <int BITS, int GS, int NT, int I>
-static void qb_shape_kernel(int sb_bf16, bool tern, size_t in, void (*&kern)(qlaunch), size_t &smem) {
+static void qb_shape_kernel(int sb_bf16, size_t in, void (*&kern)(qlaunch), size_t &smem) {
     typedef qb_shape<NT, I> S;
-    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16, tern);
+    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16);
     smem = qb_smem<BITS, GS, NT, S::NS, S::QC>(in);
 }
 
@@ -1964,24 +1953,21 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     }
     in = (in + 127) & ~(size_t)127;
     if (in > g_qsmem_max) return 0;
-    bool tern = g_q_tern != 0;
-    for (int i = 0; i < P.n; i++) tern = tern && P.d[i].tern;
-    void (*kern[4])(qlaunch);
-    size_t smem[4];
-    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, tern, in, kern[0], smem[0]);
-    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, tern, in, kern[1], smem[1]);
-    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, tern, in, kern[2], smem[2]);
-    qb_shape_kernel<BITS, GS, NT, 3>(P.sb_bf16, tern, in, kern[3], smem[3]);
-    static q_occ occ[4][4];
-    int per[4] = {0, 0, 0, 0}, most = 0;
+    void (*kern[3])(qlaunch);
+    size_t smem[3];
+    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, in, kern[0], smem[0]);
+    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, in, kern[1], smem[1]);
+    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, in, kern[2], smem[2]);
+    static q_occ occ[3][2];
+    int per[3] = {0, 0, 0}, most = 0;
     const int want = g_q_stage[NT - 1];
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 3; i++) {
         if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
-        per[i] = q_occupancy(kern[i], smem[i], occ[i][(P.sb_bf16 ? 1 : 0) + (tern ? 2 : 0)]);
+        per[i] = q_occupancy(kern[i], smem[i], occ[i][P.sb_bf16 ? 1 : 0]);
         most = per[i] > most ? per[i] : most;
     }
     int best = -1;
-    for (int i = 0; i < 4 && best < 0; i++)
+    for (int i = 0; i < 3 && best < 0; i++)
         if (per[i] > 0 && per[i] >= (most < 2 ? most : 2)) best = i;
     if (best < 0) return 0;
     const int best_per = per[best];
