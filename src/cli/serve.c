@@ -153,6 +153,7 @@ int cmd_serve(int argc, char **argv) {
     cli_error("serve", "this dflash was built without the HTTP server (cmake -DDFLASH_SERVER=OFF)");
     return CLI_EXIT_FAIL;
 #else
+    if (no_draft) draft_quant = 0; /* the drafter is loaded (checked) but never runs: no need to quantize it */
     if (!api_key) api_key = getenv("DFLASH_API_KEY");
     if (api_key && !api_key[0]) api_key = NULL;
     if (!host[0]) return cli_usage_error(&cmd, "--host is empty");

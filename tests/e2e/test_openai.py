@@ -392,10 +392,14 @@ def test_x_dflash_routes(server, fields, expected):
 def test_x_dflash_no_drafter_and_disabled(plain_server):
     r = post(plain_server.url, "/v1/chat/completions", {"messages": msgs("Hi"), "max_tokens": 2, "temperature": 0})
     assert r.headers["x-dflash"] == "fallback; reason=no-drafter"
-    with Server("--drafter", DRAFTER, "--no-draft") as s:
+    with Server("--drafter", DRAFTER, "--no-draft", "--draft-quant", "4") as s:
         r = post(s.url, "/v1/chat/completions", {"messages": msgs("Hi"), "max_tokens": 2, "temperature": 0})
         assert r.headers["x-dflash"] == "fallback; reason=disabled"
         assert "draft_rounds" not in r.json()["timings"]
+        # a drafter that never runs is not quantized
+        meta = requests.get(s.url + "/v1/models", timeout=30).json()["data"][0]["meta"]
+        assert meta["speculative"] is False and meta["draft_quant_bits"] == 0
+        assert "4-bit" not in s.log_text()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -844,7 +844,8 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
         for (int nt = 0; nt < NT; nt++) {
             int c[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) c[i] = NCH == 1 ? D[0][tr][nt][i] : D[0][tr][nt][i] * 16 + D[NCH - 1][tr][nt][i];
+            for (int i = 0; i < 4; i++) /* class H counts 16 times: 16·L + H = 16·D below 8 bits */
+                c[i] = NCH == 1 ? D[0][tr][nt][i] : D[0][tr][nt][i] * 16 + D[NCH - 1][tr][nt][i];
             const int d0 = c[0] * 256 + c[1], d1 = c[2] * 256 + c[3];
             const float e = xe[nt], sx = xs[nt];
             yv[tr][nt][0] = fmaf(s0, (float)d0 * e, fmaf(b0, sx, yv[tr][nt][0]));
