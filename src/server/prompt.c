@@ -330,7 +330,13 @@ df_status df_chat_build(const df_chat_setup *cs, const json_t *request, df_tool_
             st = NOMEM(err);
             goto done;
         }
-        st = encode_rendered(cs, raw.p, raw.n, &ids, err);
+        const size_t max_piece = df_tokenizer_max_piece_len(cs->tok);
+        if (cs->max_ids && max_piece && raw.n / max_piece >= cs->max_ids) {
+            out->too_long = 1; /* tokenizing it would only cost time and memory */
+            ids.n = raw.n / max_piece;
+        } else {
+            st = encode_rendered(cs, raw.p, raw.n, &ids, err);
+        }
         jbuf_free(&raw);
         if (st) goto done;
     }

@@ -37,6 +37,8 @@ typedef struct df_chat_setup {
     size_t *special_len;
     int32_t *special_id;
     int n_special;
+    size_t max_ids; /* > 0: df_chat_build does not tokenize a prompt that has at least this many
+                       tokens by its length alone (df_chat_built.too_long); 0 (default): no limit */
 } df_chat_setup;
 
 /* Loads the pack's chat template (df_chat_template_read: chat_template.jinja, chat_template.json,
@@ -56,6 +58,8 @@ typedef struct df_chat_built {
     int thinking_open; /* the model's output starts inside <think> (for the parser) */
     int32_t *ids;      /* the prompt's tokens (when asked for), else NULL */
     size_t n_ids;
+    int too_long;      /* 1: not tokenized, as no token covers more than the tokenizer's longest
+                          piece and the prompt's bytes make at least n_ids >= max_ids tokens */
 } df_chat_built;
 
 /* Renders request (an OpenAI chat-completions body whose fields were validated: messages,

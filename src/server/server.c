@@ -490,13 +490,34 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
                                         "The chat template exceeded its limits: %s", msg);
             return df_api_error_set(e, 500, "server_error", NULL, NULL, "%s", msg);
         }
+        if (j->chat.too_long)
+            return df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", "messages",
+                                    "The request exceeds the available context size: the prompt has at least %zu "
+                                    "tokens and the context holds %zu (at least one more is needed for the "
+                                    "completion).",
+                                    j->chat.n_ids, srv->chat.max_ids);
         j->n_prompts = 1;
         j->ids[0] = j->chat.ids;
         j->n_ids[0] = (int)j->chat.n_ids;
         if (j->chat.n_ids > INT_MAX / 2) return df_api_error_set(e, 400, "invalid_request_error", NULL, NULL, "too long");
     } else {
+        const size_t n_ctx = (size_t)df_session_max_ctx(srv->session), max_piece = df_tokenizer_max_piece_len(tok);
         for (int i = 0; i < r->n_prompts; i++) {
             const json_t *p = r->prompts[i];
+            /* a prompt with at least as many tokens as the context holds is refused before it is
+             * tokenized (which costs time and many times its size in memory): no token covers
+             * more than max_piece bytes, nor a prompt of ids more than one id */
+            const size_t at_least = json_is_string(p) ? (max_piece ? json_string_length(p) / max_piece : 0)
+                                                      : json_array_size(p);
+            if (at_least >= n_ctx) {
+                char param[32] = "prompt";
+                if (r->n_prompts > 1) snprintf(param, sizeof param, "prompt[%d]", i);
+                return df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
+                                        "The request exceeds the available context size: the prompt has at least "
+                                        "%zu tokens and the context holds %zu (at least one more is needed for the "
+                                        "completion).",
+                                        at_least, n_ctx);
+            }
             if (json_is_string(p)) {
                 size_t n = 0;
                 if (df_tokenizer_encode(tok, json_string_value(p), json_string_length(p), 1, &j->ids[i], &n, &err)) {

@@ -27,6 +27,7 @@ static int load_model(df_server *srv) {
     if (!st) st = df_chat_setup_init(&srv->chat, srv->model_dir, df_engine_tokenizer(srv->eng), srv->opt.enable_thinking,
                                      &err);
     if (!st) st = df_session_init(&srv->session, srv->eng, srv->opt.ctx_size, &err);
+    if (!st) srv->chat.max_ids = (size_t)df_session_max_ctx(srv->session); /* longer prompts are refused */
     if (!st && srv->drafter_dir) {
         st = df_drafter_load(&srv->drafter, srv->drafter_dir, srv->eng, &err);
         if (!st && srv->opt.draft_quant) st = df_drafter_quantize(srv->drafter, srv->opt.draft_quant, &err);

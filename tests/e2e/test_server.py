@@ -388,6 +388,22 @@ def test_context_overflow_is_400():
         assert s.alive()
 
 
+def test_huge_prompt_is_refused_before_tokenizing():
+    # 4 MB of text cannot fit 64 positions whatever its tokens: refused by its length (the
+    # message says "at least"), both routes (chat: the rendered prompt's length, which the
+    # template may have trimmed), and the server goes on serving
+    with Server("--ctx-size", "64") as s:
+        for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * (2 << 20)}]}),
+                           ("/v1/completions", {"prompt": " " * (4 << 20)}),
+                           ("/v1/completions", {"prompt": ["hi", "a " * (2 << 20)]}),
+                           ("/v1/completions", {"prompt": list(range(1, 100))})]:
+            r = requests.post(s.url + path, json=body, timeout=60)
+            err = assert_error(r, 400, "exceed_context_size_error")
+            assert "at least" in err["message"] and "64" in err["message"], err
+        r = post_chat(s.url, {"messages": MSG, "max_tokens": 1})
+        assert r.status_code == 200 and s.alive()
+
+
 def test_small_max_body():
     with Server("--max-body", "2048") as s:
         r = post_chat(s.url, {"messages": [{"role": "user", "content": "x" * 4000}]})
