@@ -24,6 +24,10 @@ enum { PRE = 13 };
  * read error, more than CLI_REQUEST_MAX bytes). */
 static char *read_request_text(const char *cmd, const char *path, size_t *len) {
     const int is_stdin = strcmp(path, "-") == 0;
+    if (is_stdin && cli_stdin_closed) {
+        cli_error(cmd, "-: standard input is closed");
+        return NULL;
+    }
     struct stat sb;
     if (!is_stdin && stat(path, &sb) != 0) {
         cli_error(cmd, "%s: %s", path, strerror(errno));

@@ -104,6 +104,10 @@ int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* 1 when the process started with its standard input closed (main then opens /dev/null in its
+ * place, so that no file opened later takes descriptor 0): reading "-" is then an error. */
+extern int cli_stdin_closed;
+
 /* Reads a chat request file (an OpenAI chat-completions body, or a JSON array of messages;
  * path "-" = standard input, and pipes are read to their end) and validates it as the server
  * does (df_api_request_parse; the file's "model" is not

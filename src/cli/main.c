@@ -1,5 +1,6 @@
 /* dflash command-line entry point: dflash serve | generate | render | tokenize | synth | bench. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -34,7 +35,35 @@ static void usage(FILE *f) {
                "With no --model, commands use $DFLASH_MODEL, else the embedded demo model (models/demo).\n");
 }
 
+int cli_stdin_closed = 0;
+static int stdout_closed = 0;
+
+/* A closed standard stream would be the next file opened (a model file read as a request on
+ * "-", an output file written with the text meant for standard output): standard input and
+ * error get /dev/null, standard output /dev/full (so that output written to it fails, as on the
+ * closed stream). Opened in order, each takes the lowest free descriptor: its own. */
+static void keep_standard_streams(void) {
+    for (int fd = 0; fd <= 2; fd++) {
+        if (fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+        if (fd == 0) cli_stdin_closed = 1;
+        if (fd == 1) stdout_closed = 1;
+        (void)open(fd == 1 ? "/dev/full" : "/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    }
+}
+
+/* rc, or 1 when output to standard output could not be written (a full disk, a closed pipe):
+ * then with a message naming what (the command). */
+static int flushed(const char *what, int rc) {
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "dflash%s%s: cannot write the output: %s\n", what[0] ? " " : "", what,
+                stdout_closed ? "standard output is closed" : strerror(errno));
+        if (rc == CLI_EXIT_OK) rc = 1;
+    }
+    return rc;
+}
+
 int main(int argc, char **argv) {
+    keep_standard_streams();
     if (argc < 2) {
         usage(stderr);
         return CLI_EXIT_USAGE;
@@ -45,7 +74,7 @@ int main(int argc, char **argv) {
             if (strcmp(argv[2], commands[i].name) != 0) continue;
             char help[] = "--help";
             char *sub[] = {help, NULL};
-            return commands[i].run(1, sub);
+            return flushed(commands[i].name, commands[i].run(1, sub));
         }
         fprintf(stderr, "dflash: unknown command '%s'\n", argv[2]);
         usage(stderr);
@@ -58,7 +87,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
-        return CLI_EXIT_OK;
+        return flushed("", CLI_EXIT_OK);
     }
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
 #ifdef DFLASH_WITH_CUDA
@@ -66,17 +95,11 @@ int main(int argc, char **argv) {
 #else
         printf("dflash %s (CPU only)\n", DFLASH_VERSION_STRING);
 #endif
-        return CLI_EXIT_OK;
+        return flushed("", CLI_EXIT_OK);
     }
     for (int i = 0; i < N_COMMANDS; i++) {
         if (strcmp(argv[1], commands[i].name) != 0) continue;
-        int rc = commands[i].run(argc - 2, argv + 2);
-        /* output that could not be written (a full disk, a closed pipe) is a failure */
-        if (fflush(stdout) != 0 || ferror(stdout)) {
-            fprintf(stderr, "dflash %s: cannot write the output: %s\n", argv[1], strerror(errno));
-            if (rc == CLI_EXIT_OK) rc = 1;
-        }
-        return rc;
+        return flushed(argv[1], commands[i].run(argc - 2, argv + 2));
     }
     fprintf(stderr, "dflash: unknown command '%s'\n", argv[1]);
     usage(stderr);

@@ -694,6 +694,26 @@ def test_unwritable_output_fails():
     assert p.returncode == 1 and "cannot write" in p.stderr
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["help", "generate"], ["generate", "--help"]])
+def test_unwritable_help_and_version_fail(args):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([DFLASH_BIN, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+                           env=base_env())
+    assert p.returncode == 1 and "cannot write the output" in p.stderr
+
+
+def test_closed_standard_streams():
+    # standard input closed: "-" is refused, no file opened later is read in its place
+    p = subprocess.run([DFLASH_BIN, "generate", *model_args(), "--messages", "-", "--max-tokens", "2"],
+                       stdin=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120,
+                       env=base_env(), pass_fds=(), preexec_fn=lambda: os.close(0))
+    assert p.returncode == 1 and "standard input is closed" in p.stderr, p.stderr
+    # standard output closed: output fails as on the closed stream, nothing else receives it
+    p = subprocess.run([DFLASH_BIN, "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       timeout=60, env=base_env(), preexec_fn=lambda: os.close(1))
+    assert p.returncode == 1 and "standard output is closed" in p.stderr, p.stderr
+
+
 def test_messages_file_sampling_fields_apply(tmp_path):
     req = tmp_path / "req.json"
     req.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
