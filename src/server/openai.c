@@ -477,13 +477,13 @@ static int parse_logit_bias(df_api_request *req, int vocab, df_api_error *e) {
     json_object_foreach(lb, key, v) {
         char param[96];
         snprintf(param, sizeof param, "logit_bias.%.64s", key);
-        char *end = NULL;
-        errno = 0;
-        long id = strtol(key, &end, 10);
-        if (!key[0] || *end || errno || key[0] == ' ' || key[0] == '+' || id < 0 || id >= vocab)
+        /* the canonical decimal form only ("5", never "05" or "+5"): one key per token */
+        size_t nd = strspn(key, "0123456789");
+        long id = nd > 0 && nd <= 9 && !key[nd] && (key[0] != '0' || nd == 1) ? strtol(key, NULL, 10) : -1;
+        if (id < 0 || id >= vocab)
             return df_api_error_set(e, 400, INVALID, "invalid_value", "logit_bias",
-                                    "Invalid 'logit_bias': key '%.64s' is not a token id (an integer from 0 to %d: the "
-                                    "model's vocabulary).",
+                                    "Invalid 'logit_bias': key '%.64s' is not a token id (an integer from 0 to %d, "
+                                    "written without sign or leading zeros: the model's vocabulary).",
                                     key, vocab - 1);
         float bias = 0;
         if (get_number(lb, key, param, -100, 0, 100, &bias, e)) return -1;
