@@ -604,6 +604,9 @@ void df_job_log_end(df_job *j, int status) {
     m->avg_job_s = m->avg_job_s > 0 ? 0.8 * m->avg_job_s + 0.2 * total_ms / 1000.0 : total_ms / 1000.0;
     pthread_mutex_unlock(&m->lock);
 
+    int prompt = j->prompt_tokens; /* the tokens processed; a job that never started: its prompt's, as on arrival */
+    if (!j->started)
+        for (int i = 0; i < j->n_prompts; i++) prompt += j->n_ids[i];
     char accept[96] = "";
     if (j->speculative && j->draft_n > 0)
         snprintf(accept, sizeof accept, " accept=%.2f (%d/%d, %.2f tok/round)", (double)j->draft_accepted / j->draft_n,
@@ -612,6 +615,6 @@ void df_job_log_end(df_job *j, int status) {
     df_server_log(srv, "#%llu %s POST %s %d %.1fms prompt=%d completion=%d%s%s %.1f tok/s%s peak_rss=%.1fMiB%s%s",
                   (unsigned long long)j->seq, j->client,
                   j->route == DF_ROUTE_CHAT ? "/v1/chat/completions" : "/v1/completions", status, total_ms,
-                  j->prompt_tokens, j->completion_tokens, j->finish ? " finish=" : "", j->finish ? j->finish : "", tps,
+                  prompt, j->completion_tokens, j->finish ? " finish=" : "", j->finish ? j->finish : "", tps,
                   accept, df_peak_rss_mib(), j->note[0] ? " : " : "", j->note);
 }

@@ -669,6 +669,12 @@ def test_clients_that_leave_the_queue_free_their_places():
         while len([l for l in s.log_text().splitlines() if " 499 " in l and "while waiting" in l]) < 2:
             assert time.time() < deadline, s.log_text()[-2000:]
             time.sleep(0.05)
+        # their end lines give the prompt's tokens as their arrival lines do (none was processed)
+        lines = s.log_text().splitlines()
+        for end in [l for l in lines if " 499 " in l and "while waiting" in l]:
+            seq = re.search(r"#(\d+) ", end).group(1)
+            arrival = next(l for l in lines if f"#{seq} " in l and ": mode=" in l)
+            assert re.search(r" prompt=(\d+)", end).group(1) == re.search(r" prompt=(\d+)", arrival).group(1)
         m = metrics(s.url)
         assert m["dflash_queue_depth"] == 0
         assert m["dflash_cancelled_total"] == 0 and m["dflash_plain_requests_total"] == 0   # no generation of theirs
