@@ -534,6 +534,18 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     df_server *srv = cls;
     conn_ctx *ctx = *con_cls;
+    sock_ctx *c = ctx && toe != MHD_REQUEST_TERMINATED_COMPLETED_OK ? sock_of(conn) : NULL;
+    if (c) { /* a request that ends unanswered (its body never completed) gets its log line too */
+        char line[512] = "";
+        conn_watch *w = srv->watch;
+        pthread_mutex_lock(&w->lock);
+        if (c->in_request && !c->answering && !c->shut)
+            snprintf(line, sizeof line, "%s %s %s: closed unanswered: %s", c->client, c->method, c->path,
+                     toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "no data came for --timeout seconds"
+                                                                    : "the client left before the request was complete");
+        pthread_mutex_unlock(&w->lock);
+        if (line[0]) df_server_log(srv, "%s", line);
+    }
     request_ends(srv, conn);
     if (ctx) {
         if (ctx->timeout_off && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)

@@ -408,6 +408,24 @@ def test_slow_loris_headers(srv):
     s.close()
 
 
+def test_stalled_body_at_the_idle_timeout_is_logged(srv):
+    """A body that stops arriving until the idle --timeout (3 s) closes the connection: no answer,
+    but the request gets its log line."""
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+    try:
+        data = s.recv(4096)
+    except OSError:
+        data = b""
+    s.close()
+    assert data == b"" or b" 408 " in data
+    deadline = time.time() + 10 * SLOW
+    while "POST /v1/completions: closed unanswered" not in srv.log_text():
+        assert time.time() < deadline, srv.log_text()[-2000:]
+        time.sleep(0.1)
+    assert requests.get(srv.url + "/v1/models", timeout=30).status_code == 200
+
+
 def trickle(sock, data, every):
     """Sends data one byte at a time, `every` seconds apart, until the server answers or
     closes; returns (what came back, seconds taken)."""
