@@ -471,7 +471,6 @@ static df_status bind_all(binder *b) {
 
 /* ---- loading ---------------------------------------------------------------------- */
 
-
 static df_status load_config(pack_impl *p, binder *b, json_t **root_out, df_error *err) {
     df_pack *pk = &p->pub;
     char *path = df_path_join(pk->dir, "config.json");

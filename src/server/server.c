@@ -473,10 +473,25 @@ static const char *route_path(df_route_label r) {
     return paths[r];
 }
 
+/* The 400 of a prompt of n tokens (at_least: n is a lower bound from its length, the prompt
+ * was not tokenized) that the context of n_ctx positions cannot hold with a completion. */
+static int context_exceeded(df_api_error *e, const char *param, size_t n, size_t n_ctx, int at_least) {
+    df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
+                     "The request exceeds the available context size: the prompt has %s%zu tokens and the context "
+                     "holds %zu (at least one more is needed for the completion).",
+                     at_least ? "at least " : "", n, n_ctx);
+    if (!at_least) { /* the exact counts, as llama.cpp's server gives them */
+        e->n_prompt_tokens = (long long)n;
+        e->n_ctx = (long long)n_ctx;
+    }
+    return -1;
+}
+
 /* Tokenizes the prompts of a validated request into j. */
 static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
     df_api_request *r = &j->req;
     const df_tokenizer *tok = df_engine_tokenizer(srv->eng);
+    const size_t n_ctx = (size_t)df_session_max_ctx(srv->session);
     df_error err = {0};
     char msg[DF_ERROR_MSG_MAX];
     if (r->route == DF_API_CHAT) {
@@ -490,18 +505,13 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
                                         "The chat template exceeded its limits: %s", msg);
             return df_api_error_set(e, 500, "server_error", NULL, NULL, "%s", msg);
         }
-        if (j->chat.too_long)
-            return df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", "messages",
-                                    "The request exceeds the available context size: the prompt has at least %zu "
-                                    "tokens and the context holds %zu (at least one more is needed for the "
-                                    "completion).",
-                                    j->chat.n_ids, srv->chat.max_ids);
+        if (j->chat.too_long) return context_exceeded(e, "messages", j->chat.n_ids, n_ctx, 1);
         j->n_prompts = 1;
         j->ids[0] = j->chat.ids;
         j->n_ids[0] = (int)j->chat.n_ids;
         if (j->chat.n_ids > INT_MAX / 2) return df_api_error_set(e, 400, "invalid_request_error", NULL, NULL, "too long");
     } else {
-        const size_t n_ctx = (size_t)df_session_max_ctx(srv->session), max_piece = df_tokenizer_max_piece_len(tok);
+        const size_t max_piece = df_tokenizer_max_piece_len(tok);
         for (int i = 0; i < r->n_prompts; i++) {
             const json_t *p = r->prompts[i];
             /* a prompt with at least as many tokens as the context holds is refused before it is
@@ -512,11 +522,7 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
             if (at_least >= n_ctx) {
                 char param[32] = "prompt";
                 if (r->n_prompts > 1) snprintf(param, sizeof param, "prompt[%d]", i);
-                return df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
-                                        "The request exceeds the available context size: the prompt has at least "
-                                        "%zu tokens and the context holds %zu (at least one more is needed for the "
-                                        "completion).",
-                                        at_least, n_ctx);
+                return context_exceeded(e, param, at_least, n_ctx, 1);
             }
             if (json_is_string(p)) {
                 size_t n = 0;
@@ -540,7 +546,6 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
             j->n_prompts = i + 1;
         }
     }
-    int n_ctx = df_session_max_ctx(srv->session);
     for (int i = 0; i < j->n_prompts; i++) {
         char param[32] = "messages"; /* which prompt, when there are several */
         if (r->route != DF_API_CHAT) {
@@ -550,15 +555,7 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
         if (j->n_ids[i] == 0)
             return df_api_error_set(e, 400, "invalid_request_error", "invalid_value", param,
                                     "The prompt is empty after tokenization.");
-        if (j->n_ids[i] >= n_ctx) {
-            df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
-                             "The request exceeds the available context size: the prompt has %d tokens and the "
-                             "context holds %d (at least one more is needed for the completion).",
-                             j->n_ids[i], n_ctx);
-            e->n_prompt_tokens = j->n_ids[i];
-            e->n_ctx = n_ctx;
-            return -1;
-        }
+        if ((size_t)j->n_ids[i] >= n_ctx) return context_exceeded(e, param, (size_t)j->n_ids[i], n_ctx, 0);
     }
     if (r->forced_output) {
         size_t n = 0;
