@@ -7,7 +7,7 @@
 # it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k),
 # trace (the kernel timeline of a decode step and of verify passes: tools/trace_report.py),
 # ab (plain decoding of VARIANTS alternating; a variant with BASE=1 runs the baseline binary),
-# short (final's bench at block 4 only, 3 identity prompts). Library packages come from
+# short (final's bench at block 4 only, 3 identity prompts), pdlgap (bench_pdl_gap). Library packages come from
 # ../.gpu-deps (Debian .debs, unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU
 # machine with nvcc 13.0), else built here. Logs go to $OUT.
 set -u
@@ -240,6 +240,9 @@ for s in $STEPS; do
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats \
       "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 16 --gen 4 --no-verify-curve > "$OUT/ncudeep.log" 2>&1
     grep -vE "^==PROF==|^    -----|^\s*$" "$OUT/ncudeep.log" | grep -A200 "k_lin_q" | head -150 | tee -a "$OUT/summary.txt" ;;
+  pdlgap)
+    # how soon a dependent kernel goes on after the one before it ends: PDL wait against a flag
+    timeout 60 "$BIN/bench_pdl_gap" 2>&1 | tee -a "$OUT/summary.txt" ;;
   mem)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \

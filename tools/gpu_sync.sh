@@ -8,7 +8,7 @@ DEST=${1:?checkout}/.gpu-work
 rm -rf "$DEST"
 mkdir -p "$DEST/prebuilt"
 git ls-files -co --exclude-standard | grep -v '^tests/fixtures/\|^models/' | tar -cf - -T - | tar -xf - -C "$DEST"
-for b in dflash-gpu bench_cuda_ops tests/test_cuda_ops tests/test_cuda_model; do
+for b in dflash-gpu bench_cuda_ops bench_pdl_gap tests/test_cuda_ops tests/test_cuda_model; do
   strip -o "$DEST/prebuilt/$(basename $b)" "build-cuda/$b"
 done
 # BASE_BUILD=DIR: that build's dflash-gpu travels too, as the baseline of A/B runs (BASE=1)
