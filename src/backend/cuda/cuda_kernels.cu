@@ -1736,6 +1736,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     const int cch = tid < DK ? kh * DK + tid : (tid < 2 * DK ? Kd + kh * DK + (tid - DK) : 2 * Kd + j * dv + (tid - 2 * DK));
     float cwin[KMC], cwk[KMC];
     unsigned ticket = 0;
+    const int ticket_tid = (int)blockDim.x - 32; /* lane 0 of the last warp */
     if constexpr (FUSED)
         if (tid < nch) gdn_conv_load(fc.w, C, fc.K, cch, fc.state_in, cwin, cwk);
     /* pdl_site (the calling kernel's trace site, DFK_TR_SITE: never 0): the states and weights
@@ -1764,8 +1765,10 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             DFK_TR_PHASE(0, 1);
             /* the windows are read (their values used by the conv, before the barrier): this
              * block's ticket of its key head (its value needed only at the end), after a fence
-             * that orders the block's window loads before it */
-            if (m0 == 0 && tid == 0 && nv > nk) {
+             * that orders the block's window loads before it; taken by the last warp, which has
+             * a row below only when the batch has all GDN_RB rows (the fence and the atomic's
+             * round trip are off the first rows' path) */
+            if (m0 == 0 && tid == ticket_tid && nv > nk) {
                 __threadfence();
                 ticket = atomicAdd(&g_gdn_tickets[kh], 1u);
             }
@@ -1870,7 +1873,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
         __shared__ int last_in;
         const unsigned R = (unsigned)(nv / nk);
         if (R > 1) {
-            if (tid == 0) {
+            if (tid == ticket_tid) {
                 last_in = ticket == R - 1;
                 if (ticket == R - 1) {
                     g_gdn_tickets[kh] = 0u;
