@@ -1742,6 +1742,10 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     /* pdl_site (the calling kernel's trace site, DFK_TR_SITE: never 0): the states and weights
      * above were loaded before waiting for the previous kernel (no kernel of the step before this
      * one writes them: the caller knows); 0: the caller waited already */
+    /* the gated norm's weights into shared memory now (weights: no kernel writes them), so that
+     * the norm at the end reads them without a round trip to L2 on its path (dv <= 256) */
+    __shared__ float nws[256];
+    if (out && tid < dv) nws[tid] = __ldg(&norm_w[tid]);
     if (pdl_site) k_pdl_begin_(pdl_site);
     for (int m0 = 0; m0 < M; m0 += GDN_RB) {
         const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
@@ -1852,7 +1856,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                     if (e >= dv) break;
                     const size_t oi = m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)e;
                     const float sz = r == warp ? zsl[i] : silu_f(__ldcg(&z[oi]));
-                    out[oi] = (norm_w[e] * (osm[r * dv + e] * inv)) * sz;
+                    out[oi] = (nws[e] * (osm[r * dv + e] * inv)) * sz;
                 }
             }
         }
