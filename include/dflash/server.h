@@ -206,6 +206,12 @@ typedef struct df_http_response {
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp);
 void df_http_response_free(df_http_response *resp);
 
+/* 1 when df_server_handle refuses req by its method, path and headers alone (401 without the
+ * right key, 405 for a completion route's wrong method, 415 for a completion body with a
+ * Content-Encoding), whatever its body: a transport may answer it before the body (without
+ * "100 Continue"). 0 otherwise (the body decides). */
+int df_server_refuses_by_headers(df_server *srv, const df_http_request *req);
+
 /* Copies up to cap bytes of the stream into buf, waiting until some are ready. Returns the
  * number of bytes (> 0), or 0 at the end of the stream. */
 size_t df_server_stream_read(df_server_stream *s, char *buf, size_t cap);

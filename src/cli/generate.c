@@ -1,7 +1,9 @@
 /* dflash generate: one prompt in, generated text out (streamed, or one JSON object), plainly or
  * with a DFlash drafter (speculative decoding, greedy only). */
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdio_ext.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,14 +29,23 @@ typedef struct stream_ctx {
     int print;          /* stream text to stdout */
     size_t printed;     /* bytes written */
     char last;          /* last byte written */
+    int werr;           /* errno of the write that failed (0: none) */
 } stream_ctx;
 
+/* Streams each piece of text; stops the generation at Ctrl-C or at the first write that fails
+ * (a closed pipe, a full disk: its errno is kept, the unwritten output dropped, and the command
+ * reports the error and exits 1). */
 static int on_text(void *user, int32_t id, const char *text, size_t len) {
     (void)id;
     stream_ctx *s = user;
     if (s->print && len) {
-        fwrite(text, 1, len, stdout);
-        fflush(stdout);
+        errno = 0;
+        if (fwrite(text, 1, len, stdout) != len || fflush(stdout) != 0) {
+            s->werr = errno ? errno : EIO;
+            __fpurge(stdout);
+            clearerr(stdout);
+            return 1;
+        }
         s->printed += len;
         s->last = text[len - 1];
     }
@@ -302,9 +313,14 @@ int cmd_generate(int argc, char **argv) {
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
-    stream_ctx sc = {!json, 0, '\n'};
+    stream_ctx sc = {!json, 0, '\n', 0};
     df_status st = speculative ? df_generate_speculative(sess, ds, ids, (int)n_ids, &gp, &spec, on_text, &sc, &res, &err)
                                : df_generate(sess, ids, (int)n_ids, &gp, on_text, &sc, &res, &err);
+    if (sc.werr) { /* the output's reader left (or its disk is full): no more output */
+        cli_error("generate", "cannot write the output: %s", strerror(sc.werr));
+        rc = CLI_EXIT_FAIL;
+        goto done;
+    }
     if (st != DF_OK) {
         if (sc.printed && sc.last != '\n') putchar('\n');
         cli_error("generate", "%s", err.msg);

@@ -197,6 +197,8 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
     }
     case CLI_FLOAT:
     case CLI_FLOAT_GT: {
+        /* decimal only: strtod would also take hex floats ("0x1"), "inf" and "nan" */
+        if (strpbrk(v, "xXnN")) return bad_value(cmd, o, v, "expected a number");
         double x = strtod(v, &end);
         if (errno || end == v || *end || !isfinite(x) || isspace((unsigned char)v[0]))
             return bad_value(cmd, o, v, "expected a number");

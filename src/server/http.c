@@ -505,6 +505,19 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             ctx->timed_out = 1;
             return answer(srv, ctx, url, method);
         }
+        const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+        if (expect && strcasecmp(expect, "100-continue") == 0) {
+            /* refused by its headers alone (a wrong key, a compressed body): answered now,
+             * before libmicrohttpd sends "100 Continue" and the client its body */
+            const df_http_request hr = {
+                .method = method,
+                .path = url,
+                .authorization = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION),
+                .content_encoding =
+                    MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_ENCODING),
+            };
+            if (df_server_refuses_by_headers(srv, &hr)) return answer(srv, ctx, url, method);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
@@ -512,7 +525,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             unsigned long long n = strtoull(cl, &end, 10);
             if (errno == 0 && end != cl && n > srv->opt.max_body) {
                 ctx->too_large = 1;
-                const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
                 if ((expect && strcasecmp(expect, "100-continue") == 0) || n > drain_limit(srv))
                     return answer(srv, ctx, url, method);
             }
@@ -540,9 +552,12 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
         conn_watch *w = srv->watch;
         pthread_mutex_lock(&w->lock);
         if (c->in_request && !c->answering && !c->shut)
-            snprintf(line, sizeof line, "%s %s %s: closed unanswered: %s", c->client, c->method, c->path,
-                     toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "no data came for --timeout seconds"
-                                                                    : "the client left before the request was complete");
+            snprintf(line, sizeof line, "%s %s %s: %s", c->client, c->method, c->path,
+                     toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
+                         ? "closed unanswered: no data came for --timeout seconds"
+                     : toe == MHD_REQUEST_TERMINATED_WITH_ERROR
+                         ? "closed by the HTTP layer: a malformed request (which it answered 400) or a connection error"
+                         : "closed unanswered: the client left before the request was complete");
         pthread_mutex_unlock(&w->lock);
         if (line[0]) df_server_log(srv, "%s", line);
     }

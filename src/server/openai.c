@@ -1043,27 +1043,44 @@ static size_t text_offset_of(const df_api_text_offset *o, const df_tokenizer *to
     return o->chars + (size_t)o->n_pend;
 }
 
+/* A token as the legacy completions format writes it: its text when that is valid UTF-8 on its
+ * own, else "bytes:" and its bytes as \xNN escapes (as OpenAI's API does), so that byte pieces
+ * get keys of their own in top_logprobs. */
+static json_t *legacy_token(const df_tokenizer *tok, int32_t id) {
+    size_t n = 0;
+    const char *piece = df_tokenizer_piece(tok, id, &n);
+    if (!piece) return json_string("");
+    if (ju8_invalid_at(piece, n) == n) return json_stringn(piece, n);
+    jbuf b = {0};
+    int bad = jbuf_put(&b, "bytes:", 6);
+    for (size_t i = 0; !bad && i < n; i++) {
+        char x[5];
+        snprintf(x, sizeof x, "\\x%02x", (unsigned char)piece[i]);
+        bad = jbuf_put(&b, x, 4);
+    }
+    json_t *t = bad ? NULL : json_stringn(b.p, b.n);
+    jbuf_free(&b);
+    return t;
+}
+
 json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info *info, int n, df_api_text_offset *off) {
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     for (int i = 0; i < n; i++) {
-        json_t *t, *b;
-        token_text(tok, info[i].id, &t, &b);
-        json_decref(b);
+        json_t *t = legacy_token(tok, info[i].id);
         json_array_append_new(offs, json_integer((json_int_t)text_offset_of(off, tok, info[i].id)));
         text_offset_advance(off, tok, info[i].id);
-        json_array_append_new(tokens, t ? t : json_string(""));
-        json_array_append_new(lps, logprob_value(info[i].logprob));
+        /* the n most likely tokens, and the sampled one when it is not among them (OpenAI's
+         * legacy format: up to logprobs + 1 entries), in that order */
         json_t *top = json_object();
         for (int k = 0; top && k < info[i].n_top; k++) {
-            json_t *tt, *tb;
-            token_text(tok, info[i].top[k].id, &tt, &tb);
-            json_decref(tb);
-            /* tokens of the same text (byte pieces that each show as U+FFFD) share a key: it keeps
-             * the first, most likely one's value, so the map stays in descending order */
-            if (tt && !json_object_get(top, json_string_value(tt)))
-                json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
+            json_t *tt = legacy_token(tok, info[i].top[k].id);
+            if (tt) json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
             json_decref(tt);
         }
+        if (top && t && !json_object_get(top, json_string_value(t)))
+            json_object_set_new(top, json_string_value(t), logprob_value(info[i].logprob));
+        json_array_append_new(tokens, t ? t : json_string(""));
+        json_array_append_new(lps, logprob_value(info[i].logprob));
         json_array_append_new(tops, top);
     }
     return json_pack("{s:o*, s:o*, s:o*, s:o*}", "tokens", tokens, "token_logprobs", lps, "top_logprobs", tops,

@@ -331,7 +331,7 @@ df_status df_chat_build(const df_chat_setup *cs, const json_t *request, df_tool_
             goto done;
         }
         const size_t max_piece = df_tokenizer_max_piece_len(cs->tok);
-        if (cs->max_ids && max_piece && raw.n / max_piece >= cs->max_ids) {
+        if (cs->max_ids && max_piece && raw.n > DF_PROMPT_EXACT_BYTES && raw.n / max_piece >= cs->max_ids) {
             out->too_long = 1; /* tokenizing it would only cost time and memory */
             ids.n = raw.n / max_piece;
         } else {

@@ -37,9 +37,16 @@ typedef struct df_chat_setup {
     size_t *special_len;
     int32_t *special_id;
     int n_special;
-    size_t max_ids; /* > 0: df_chat_build does not tokenize a prompt that has at least this many
-                       tokens by its length alone (df_chat_built.too_long); 0 (default): no limit */
+    size_t max_ids; /* > 0: df_chat_build does not tokenize a prompt of more than
+                       DF_PROMPT_EXACT_BYTES that has at least this many tokens by its length
+                       alone (df_chat_built.too_long); 0 (default): no limit */
 } df_chat_setup;
+
+/* Prompts up to this many bytes are always tokenized, so that a refusal for the context's size
+ * gives their exact token count; longer ones are refused by their length alone when that
+ * already proves them too long (tokenizing them would cost time and many times their size in
+ * memory). */
+#define DF_PROMPT_EXACT_BYTES ((size_t)1 << 20)
 
 /* Loads the pack's chat template (df_chat_template_read: chat_template.jinja, chat_template.json,
  * tokenizer_config.json), or the built-in ChatML template when the pack has none, and lists

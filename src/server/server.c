@@ -474,16 +474,16 @@ static const char *route_path(df_route_label r) {
 }
 
 /* The 400 of a prompt of n tokens (at_least: n is a lower bound from its length, the prompt
- * was not tokenized) that the context of n_ctx positions cannot hold with a completion. */
+ * was not tokenized: one of more than DF_PROMPT_EXACT_BYTES) that the context of n_ctx
+ * positions cannot hold with a completion. The counts go into n_prompt_tokens and n_ctx, as
+ * llama.cpp's server gives them (n_prompt_tokens the lower bound where at_least). */
 static int context_exceeded(df_api_error *e, const char *param, size_t n, size_t n_ctx, int at_least) {
     df_api_error_set(e, 400, "invalid_request_error", "exceed_context_size_error", param,
                      "The request exceeds the available context size: the prompt has %s%zu tokens and the context "
                      "holds %zu (at least one more is needed for the completion).",
                      at_least ? "at least " : "", n, n_ctx);
-    if (!at_least) { /* the exact counts, as llama.cpp's server gives them */
-        e->n_prompt_tokens = (long long)n;
-        e->n_ctx = (long long)n_ctx;
-    }
+    e->n_prompt_tokens = (long long)n;
+    e->n_ctx = (long long)n_ctx;
     return -1;
 }
 
@@ -515,14 +515,16 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
         for (int i = 0; i < r->n_prompts; i++) {
             const json_t *p = r->prompts[i];
             /* a prompt with at least as many tokens as the context holds is refused before it is
-             * tokenized (which costs time and many times its size in memory): no token covers
-             * more than max_piece bytes, nor a prompt of ids more than one id */
-            const size_t at_least = json_is_string(p) ? (max_piece ? json_string_length(p) / max_piece : 0)
-                                                      : json_array_size(p);
+             * tokenized: a list of ids by its length (exact), a text of more than
+             * DF_PROMPT_EXACT_BYTES by its length over the longest piece a token covers (a lower
+             * bound: tokenizing it would cost time and many times its size in memory) */
+            const int is_text = json_is_string(p);
+            const size_t len = is_text ? json_string_length(p) : json_array_size(p);
+            const size_t at_least = !is_text ? len : (max_piece && len > DF_PROMPT_EXACT_BYTES ? len / max_piece : 0);
             if (at_least >= n_ctx) {
                 char param[32] = "prompt";
                 if (r->n_prompts > 1) snprintf(param, sizeof param, "prompt[%d]", i);
-                return context_exceeded(e, param, at_least, n_ctx, 1);
+                return context_exceeded(e, param, at_least, n_ctx, is_text);
             }
             if (json_is_string(p)) {
                 size_t n = 0;
@@ -747,6 +749,17 @@ static void cors_preflight(const df_http_request *req, df_route_label route, df_
         ok = isalnum((unsigned char)h[i]) || strchr("-_,\t !#$%&'*+.^`|~", h[i]) != NULL;
     if (ok) snprintf(resp->cors_headers, sizeof resp->cors_headers, "%.*s", (int)n, h);
     else snprintf(resp->cors_headers, sizeof resp->cors_headers, "Authorization, Content-Type");
+}
+
+int df_server_refuses_by_headers(df_server *srv, const df_http_request *req) {
+    const char *m = req->method ? req->method : "";
+    const df_route_label route = classify(req->path ? req->path : "");
+    if (route == DF_ROUTE_HEALTH || (srv->cors_origin && strcmp(m, "OPTIONS") == 0 && route != DF_ROUTE_OTHER))
+        return 0;
+    if (!authorized(srv, req->authorization)) return 1;
+    if (route != DF_ROUTE_CHAT && route != DF_ROUTE_COMPLETIONS) return 0;
+    return strcmp(m, "POST") != 0 ||
+           (req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity"));
 }
 
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp) {

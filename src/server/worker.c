@@ -289,12 +289,26 @@ static const char *finish_name(const df_gen_result *res, int tool_calls) {
     return tool_calls > 0 ? "tool_calls" : "stop";
 }
 
+/* The seed of a chat job's tool-call ids: with a request seed, that seed and the prompt's
+ * tokens (FNV-1a over them), so that a request repeated gives the same ids while the turns of
+ * one conversation (each prompt holding the calls before it) give new ones; without, the
+ * server's random seed and the job's number. */
+static uint64_t tool_id_seed(const df_job *j) {
+    if (!j->req.gen.sampling.has_seed) return j->srv->id_seed ^ j->seq;
+    uint64_t h = 0xcbf29ce484222325ull ^ (uint64_t)j->req.gen.sampling.seed;
+    for (int i = 0; i < j->n_ids[0]; i++) {
+        h ^= (uint64_t)(uint32_t)j->ids[0][i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
 static df_status new_parser(const df_job *j, df_chat_parser **p, df_error *err) {
     df_chat_parse_options po = {
         .thinking_open = j->chat.thinking_open,
         .parse_tool_calls = j->req.tools && j->req.tool_choice != DF_TOOL_CHOICE_NONE,
         .tools = j->req.tools,
-        .id_seed = j->req.gen.sampling.has_seed ? j->req.gen.sampling.seed : j->srv->id_seed ^ j->seq,
+        .id_seed = tool_id_seed(j),
     };
     return df_chat_parser_new(&po, p, err);
 }

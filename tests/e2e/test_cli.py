@@ -681,7 +681,8 @@ def test_decode_out_of_range_id_is_an_error():
     assert p.returncode == 2 and "99999" in p.stderr
 
 
-@pytest.mark.parametrize("args", [["--device", "tpu"], ["--stop", ""]])
+@pytest.mark.parametrize("args", [["--device", "tpu"], ["--stop", ""], ["--temperature", "0x1"],
+                                  ["--top-p", "0x.8p0"], ["--temperature", "inf"], ["--min-p", "nan"]])
 def test_malformed_generate_values_exit_2(args):
     p = run_cli("generate", *model_args(), "--chat", "hi", "--max-tokens", "2", *args)
     assert p.returncode == 2
@@ -692,6 +693,35 @@ def test_unwritable_output_fails():
         p = subprocess.run([DFLASH_BIN, "generate", *model_args(), "--chat", "hi", "--max-tokens", "3"],
                            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert p.returncode == 1 and "cannot write" in p.stderr
+
+
+def test_generation_stops_at_the_first_failed_write(tmp_path):
+    """Streamed output that can no longer be written (a full disk; a reader that left, with
+    SIGPIPE ignored) stops the generation there: the command exits 1 naming the error long
+    before the 1500 tokens it was asked for (the end-of-text tokens are banned)."""
+    eos = json.loads(run_cli("tokenize", *model_args(), "--text", "<|im_end|><|endoftext|>", check=True).stdout)
+    req = write_json(tmp_path, "m.json", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500,
+                                          "temperature": 0, "logit_bias": {str(i): -100 for i in eos}})
+    cmd = [DFLASH_BIN, "generate", *model_args(), "--messages", str(req), "--stats"]
+    t0 = time.monotonic()
+    full_run = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env=base_env())
+    t_full = time.monotonic() - t0
+    assert full_run.returncode == 0 and "generated 1500 tokens" in full_run.stderr, full_run.stderr
+    with open("/dev/full", "w") as full:
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=base_env())
+        t_full_disk = time.monotonic() - t0
+    assert p.returncode == 1 and "cannot write the output: No space left on device" in p.stderr, p.stderr
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), restore_signals=False)
+    t0 = time.monotonic()
+    p.stdout.read(1)
+    p.stdout.close()   # the reader leaves
+    err = p.stderr.read().decode()
+    p.wait(timeout=300)
+    t_pipe = time.monotonic() - t0
+    assert p.returncode == 1 and "cannot write the output: Broken pipe" in err, err
+    assert t_full_disk < t_full / 2 and t_pipe < t_full / 2, (t_full, t_full_disk, t_pipe)
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["help", "generate"], ["generate", "--help"]])

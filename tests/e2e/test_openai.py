@@ -287,6 +287,23 @@ def test_tool_calls_streamed_arguments_equal(server):
         [(c["name"], c["arguments"]) for c in calls]
 
 
+def test_tool_call_ids_new_in_each_turn_with_a_fixed_seed(server):
+    """A pinned seed repeats a request's ids, but the next turn of the conversation (its prompt
+    holding the first call and its result) gets a new one: results must match their calls."""
+    def turn(messages, city):
+        forced = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n" + city +
+                  "\n</parameter>\n</function>\n</tool_call>" + IM_END)
+        body = {"messages": messages, "tools": TOOLS, "max_tokens": 100, "temperature": 0, "seed": 7,
+                "dflash_forced_output": forced}
+        return chat(server.url, body)[0]["choices"][0]["message"]
+    first = turn(msgs("Weather in A, then B?"), "A")
+    assert turn(msgs("Weather in A, then B?"), "A")["tool_calls"][0]["id"] == first["tool_calls"][0]["id"]
+    history = msgs("Weather in A, then B?") + [
+        first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "{\"temp\": 20}"}]
+    second = turn(history, "B")
+    assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]
+
+
 def test_tool_calls_cut_by_max_tokens_finish_with_length(server):
     """A complete call followed by one that max_tokens cuts: the complete one is a tool call,
     the unfinished rest stays content, and finish_reason is "length", streamed and not."""
@@ -466,6 +483,31 @@ def test_completions_logprobs_legacy_shape(server):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_completions_legacy_top_logprobs_hold_the_sampled_token(server):
+    """OpenAI's legacy format: each entry holds the `logprobs` most likely tokens plus the
+    sampled one when it is not among them (so logprobs 0 still names it), and byte pieces (part
+    of a character) are written "bytes:\\xNN" in tokens and keys, so no two tokens share a key."""
+    for k in (0, 1, 5):
+        body = {"prompt": "x", "max_tokens": 6, "temperature": 2, "seed": 4, "logprobs": k}
+        lp = post(server.url, "/v1/completions", body).json()["choices"][0]["logprobs"]
+        for tok, tlp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert tok in top and abs(top[tok] - tlp) < 1e-6, (tok, top)
+            assert k <= len(top) <= k + 1, top
+    r = post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0, "logprobs": 1,
+                                             "dflash_forced_output": "é🙂"})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert any(t.startswith("bytes:\\x") for t in lp["tokens"]), lp["tokens"]
+    for t in lp["tokens"]:
+        assert "\ufffd" not in t
+        if t.startswith("bytes:"):
+            raw_bytes = bytes(int(h, 16) for h in t[len("bytes:"):].split("\\x")[1:])
+            assert raw_bytes, t
+            with pytest.raises(UnicodeDecodeError):
+                raw_bytes.decode("utf-8")   # a byte piece: not a character of its own
+    r = post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0, "logprobs": 20})
+    assert all(len(top) >= 20 for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
 def test_completions_text_offset_indexes_the_text(server):
     """text_offset counts characters of the returned text: a token that only begins a
     multi-byte character points at that character, and no offset passes the end; streamed
@@ -481,7 +523,7 @@ def test_completions_text_offset_indexes_the_text(server):
             assert offs == [0, 1, 1, 2, 3, 5]   # 'h', the two halves of 'é', 'l', 'lo', ' w'
         # each whole-character token's text stands at its offset (special tokens add no text)
         for tok, o in zip(c["logprobs"]["tokens"], offs):
-            if "\ufffd" not in tok and not (tok.startswith("<|") and tok.endswith("|>")):
+            if not tok.startswith("bytes:") and not (tok.startswith("<|") and tok.endswith("|>")):
                 assert text[o:o + len(tok)] == tok, (tok, o, text)
         _, events = stream(server.url, {**body, "max_tokens": max_tokens, "stream": True}, path="/v1/completions")
         soffs = [o for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]

@@ -426,6 +426,46 @@ def test_stalled_body_at_the_idle_timeout_is_logged(srv):
     assert requests.get(srv.url + "/v1/models", timeout=30).status_code == 200
 
 
+def first_line_before_the_body(port, head):
+    """Sends a request's head with "Expect: 100-continue" and returns the status line that comes
+    back before any body is sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        out = b""
+        while b"\r\n" not in out:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            out += chunk
+        return out.split(b"\r\n", 1)[0]
+
+
+def test_refused_by_headers_gets_no_100_continue():
+    """A request that its headers alone refuse (no key, a compressed body) is answered at once,
+    not with "100 Continue"; a good one still gets its 100."""
+    with Server("--api-key", "sekret") as s:
+        base = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 10\r\nExpect: 100-continue\r\n")
+        assert b" 401 " in first_line_before_the_body(s.port, base + b"\r\n")
+        assert b" 415 " in first_line_before_the_body(
+            s.port, base + b"Authorization: Bearer sekret\r\nContent-Encoding: gzip\r\n\r\n")
+        assert b" 100 " in first_line_before_the_body(s.port, base + b"Authorization: Bearer sekret\r\n\r\n")
+        assert s.alive()
+
+
+def test_malformed_chunked_body_is_logged_as_the_http_layers(srv):
+    """A chunked body that is not valid chunked encoding: the HTTP layer answers 400 and the
+    log line says so (not "closed unanswered")."""
+    out = raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"zz\r\nabc\r\n0\r\n\r\n")
+    assert b" 400 " in out.split(b"\r\n", 1)[0], out[:200]
+    deadline = time.time() + 10 * SLOW
+    while "POST /v1/completions: closed by the HTTP layer" not in srv.log_text():
+        assert time.time() < deadline, srv.log_text()[-2000:]
+        time.sleep(0.1)
+    assert requests.get(srv.url + "/v1/models", timeout=30).status_code == 200
+
+
 def trickle(sock, data, every):
     """Sends data one byte at a time, `every` seconds apart, until the server answers or
     closes; returns (what came back, seconds taken)."""

@@ -390,16 +390,28 @@ def test_context_overflow_is_400():
 
 def test_huge_prompt_is_refused_before_tokenizing():
     # 4 MB of text cannot fit 64 positions whatever its tokens: refused by its length (the
-    # message says "at least"), both routes (chat: the rendered prompt's length, which the
-    # template may have trimmed), and the server goes on serving
+    # message says "at least", n_prompt_tokens is that lower bound), both routes (chat: the
+    # rendered prompt's length, which the template may have trimmed), and the server goes on
+    # serving; a list of ids too long is refused by its length too, with its exact count; a
+    # text of up to 1 MiB is tokenized, so its count is exact
     with Server("--ctx-size", "64") as s:
         for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * (2 << 20)}]}),
                            ("/v1/completions", {"prompt": " " * (4 << 20)}),
-                           ("/v1/completions", {"prompt": ["hi", "a " * (2 << 20)]}),
-                           ("/v1/completions", {"prompt": list(range(1, 100))})]:
+                           ("/v1/completions", {"prompt": ["hi", "a " * (2 << 20)]})]:
             r = requests.post(s.url + path, json=body, timeout=60)
             err = assert_error(r, 400, "exceed_context_size_error")
-            assert "at least" in err["message"] and "64" in err["message"], err
+            assert "has at least" in err["message"] and "64" in err["message"], err
+            assert err["n_ctx"] == 64 and err["n_prompt_tokens"] >= 64, err
+        for path, body, n in [("/v1/completions", {"prompt": list(range(1, 100))}, 99),
+                              ("/v1/completions", {"prompt": [[5] * 4096]}, 4096),
+                              ("/v1/completions", {"prompt": "a" * 300000}, None),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 10000}, None)]:
+            r = requests.post(s.url + path, json=body, timeout=120)
+            err = assert_error(r, 400, "exceed_context_size_error")
+            assert "has at least" not in err["message"] and err["n_ctx"] == 64, err
+            assert err["n_prompt_tokens"] > 64 and str(err["n_prompt_tokens"]) in err["message"], err
+            if n is not None:
+                assert err["n_prompt_tokens"] == n, err
         r = post_chat(s.url, {"messages": MSG, "max_tokens": 1})
         assert r.status_code == 200 and s.alive()
 

@@ -523,9 +523,10 @@ static void test_text_offset_after_unfinished_utf8(void **state) {
     assert_int_equal(o[1], 1);
 }
 
-/* Completions top_logprobs: two candidates whose text is the same (lone bytes that each show as
- * U+FFFD) share a key, which keeps the first (most likely) one's value. */
-static void test_top_logprobs_shared_text(void **state) {
+/* Completions top_logprobs: two candidates that are lone bytes (each would show as U+FFFD) keep
+ * keys of their own ("bytes:\xNN", as OpenAI writes them), and the sampled token is added when it
+ * is not among the n most likely. */
+static void test_top_logprobs_byte_pieces(void **state) {
     prompt_fixture *f = *state;
     df_token_info info;
     memset(&info, 0, sizeof info);
@@ -544,10 +545,23 @@ static void test_top_logprobs_shared_text(void **state) {
     df_api_text_offset_init(&off, NULL, 0, 1);
     json_t *lp = df_api_completion_logprobs(f->tok, &info, 1, &off);
     assert_non_null(lp);
+    /* byte pieces (each part of a character) get keys of their own, "bytes:\xNN", as does the
+     * sampled token in "tokens" */
     json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), 0);
-    assert_int_equal(json_object_size(top), 2);
-    assert_true(json_real_value(json_object_get(top, "\xef\xbf\xbd")) == -1.0);
+    assert_int_equal(json_object_size(top), 3);
+    assert_true(json_real_value(json_object_get(top, "bytes:\\xe2")) == -1.0);
+    assert_true(json_real_value(json_object_get(top, "bytes:\\xe0")) == -2.5);
     assert_true(json_real_value(json_object_get(top, "h")) == -3.0);
+    assert_string_equal(json_string_value(json_array_get(json_object_get(lp, "tokens"), 0)), "bytes:\\xe0");
+    json_decref(lp);
+    /* the sampled token outside the n most likely: added (up to logprobs + 1 entries) */
+    info.n_top = 1;
+    df_api_text_offset_init(&off, NULL, 0, 1);
+    lp = df_api_completion_logprobs(f->tok, &info, 1, &off);
+    assert_non_null(lp);
+    top = json_array_get(json_object_get(lp, "top_logprobs"), 0);
+    assert_int_equal(json_object_size(top), 2);
+    assert_true(json_real_value(json_object_get(top, "bytes:\\xe0")) == -2.5);
     json_decref(lp);
 }
 
@@ -575,7 +589,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_prompt_untrusted_text, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_prompt_tool_choice, prompt_setup, prompt_teardown),
         cmocka_unit_test_setup_teardown(test_text_offset_after_unfinished_utf8, prompt_setup, prompt_teardown),
-        cmocka_unit_test_setup_teardown(test_top_logprobs_shared_text, prompt_setup, prompt_teardown),
+        cmocka_unit_test_setup_teardown(test_top_logprobs_byte_pieces, prompt_setup, prompt_teardown),
         cmocka_unit_test(test_queue_retry_after),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
