@@ -34,7 +34,7 @@ static char *read_request_text(const char *cmd, const char *path, size_t *len) {
         return NULL;
     }
     if (!is_stdin && S_ISDIR(sb.st_mode)) {
-        cli_error(cmd, "%s: is a folder, not a request file", path);
+        cli_error(cmd, "%s: is a folder, not a file", path);
         return NULL;
     }
     if (!is_stdin && S_ISREG(sb.st_mode) && (uint64_t)sb.st_size > CLI_REQUEST_MAX) {
@@ -106,6 +106,12 @@ static int read_raw_request(const char *cmd, const char *path, char *text, size_
     return rc;
 }
 
+char *cli_read_text(const char *cmd, const char *path, size_t *len) {
+    char *text = read_request_text(cmd, path, len);
+    if (text) memmove(text, text + PRE, *len + 1);
+    return text;
+}
+
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab, df_api_request *req) {
     size_t tlen = 0;
     char *text = read_request_text(cmd, path, &tlen);
@@ -153,7 +159,8 @@ int cli_read_chat_request(const char *cmd, const char *path, const char *model_i
 void cli_note_ignored_fields(const char *cmd, const char *path, json_t *root) {
     /* what generate applies: the prompt's fields (rendered) and the sampling fields */
     static const char *const applied[] = {
-        "messages", "tools", "tool_choice", "enable_thinking", "chat_template_kwargs", "temperature", "top_p",
+        "messages", "tools", "tool_choice", "enable_thinking", "chat_template_kwargs", "add_generation_prompt",
+        "temperature", "top_p",
         "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens", "stop", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "logit_bias"};
     char list[512] = "";

@@ -114,6 +114,11 @@ extern int cli_stdin_closed;
  * checked). vocab bounds logit_bias ids. Prints the error (naming the file) and returns -1,
  * or 0 with *req filled (free with df_api_request_free). */
 struct df_api_request;
+/* The whole text of file `path` ("-": standard input; streams read to their end), malloc'd and
+ * NUL-terminated, *len its length (it may hold NUL bytes). NULL after an error message naming
+ * the file (a folder, an open or read error, more than 256 MiB). */
+char *cli_read_text(const char *cmd, const char *path, size_t *len);
+
 int cli_read_chat_request(const char *cmd, const char *path, const char *model_id, int vocab,
                           struct df_api_request *req);
 /* Prints a note to stderr naming the top-level fields of the chat request root (a jansson

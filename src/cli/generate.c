@@ -237,6 +237,10 @@ int cmd_generate(int argc, char **argv) {
             goto done;
         }
     }
+    if (n_ids == 0) { /* an empty --prompt or --prompt-ids: nothing to continue */
+        rc = cli_usage_error(&cmd, "%s: the prompt is empty (it has no tokens)", prompt_ids ? "--prompt-ids" : "--prompt");
+        goto done;
+    }
 
     /* Fields not given take the pack's defaults; the temperature stays 0 unless given. */
     const df_generation_defaults *gd = &df_engine_pack(eng)->gen;
@@ -324,7 +328,9 @@ int cmd_generate(int argc, char **argv) {
     if (st != DF_OK) {
         if (sc.printed && sc.last != '\n') putchar('\n');
         cli_error("generate", "%s", err.msg);
-        if (st == DF_ERR_INVALID_ARG && !sc.printed) rc = CLI_EXIT_USAGE; /* the input (empty, ids out of range) */
+        /* the input (ids out of range; a prompt the context cannot hold: a value only the loaded
+         * model can check) */
+        if ((st == DF_ERR_INVALID_ARG || st == DF_ERR_RANGE) && !sc.printed) rc = CLI_EXIT_USAGE;
         goto done;
     }
     if (req.root) message = parse_message(&built, &req, &res);

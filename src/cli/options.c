@@ -183,15 +183,15 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         return 0;
     }
     case CLI_U64: { /* a 64-bit value: 0..2^64-1, or a negative int64 taken modulo 2^64 (as the server's "seed") */
-        if (isspace((unsigned char)v[0])) return bad_value(cmd, o, v, "expected a 64-bit integer");
+        if (isspace((unsigned char)v[0])) return bad_value(cmd, o, v, "expected an integer from -9223372036854775808 to 18446744073709551615");
         if (v[0] == '-') {
             long long x = strtoll(v, &end, 10);
-            if (errno || end == v || *end) return bad_value(cmd, o, v, "expected a 64-bit integer");
+            if (errno || end == v || *end) return bad_value(cmd, o, v, "expected an integer from -9223372036854775808 to 18446744073709551615");
             *(uint64_t *)o->dest = (uint64_t)x;
             return 0;
         }
         unsigned long long x = strtoull(v, &end, 10);
-        if (errno || end == v || *end) return bad_value(cmd, o, v, "expected a 64-bit integer");
+        if (errno || end == v || *end) return bad_value(cmd, o, v, "expected an integer from -9223372036854775808 to 18446744073709551615");
         *(uint64_t *)o->dest = (uint64_t)x;
         return 0;
     }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "dflash/pack.h"
 #include "server/openai.h"
 #include "server/prompt.h"
 
@@ -40,7 +41,13 @@ int cmd_render(int argc, char **argv) {
         cli_error("render", "%s", err.msg);
         goto done;
     }
-    if (cli_read_chat_request("render", request, id, df_tokenizer_vocab_size(tok), &req)) goto done;
+    /* logit_bias ids are checked as the server checks them: against the model's vocabulary
+     * (config.json's vocab_size, which may exceed the tokenizer's), else the tokenizer's */
+    int vocab = 0;
+    df_error verr = {0};
+    if (df_pack_vocab_size(dir, &vocab, &verr) != DF_OK || vocab < df_tokenizer_vocab_size(tok))
+        vocab = df_tokenizer_vocab_size(tok);
+    if (cli_read_chat_request("render", request, id, vocab, &req)) goto done;
     if (df_chat_build(&cs, req.root, req.tool_choice, req.tool_name, ids, &built, &err)) {
         cli_error("render", "%s", err.msg);
         goto done;

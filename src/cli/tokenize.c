@@ -8,30 +8,45 @@
 #include "dflash/tokenizer.h"
 
 int cmd_tokenize(int argc, char **argv) {
-    const char *model = NULL, *tokenizer = NULL, *text = NULL, *decode = NULL;
-    int skip_special = 0;
+    const char *model = NULL, *tokenizer = NULL, *text = NULL, *file = NULL, *decode = NULL;
+    int skip_special = 0, no_special = 0;
     cli_opt opts[] = {
         {"model", "DIR", CLI_STR, &model, "$DFLASH_MODEL, else the embedded demo model", "model pack folder (its tokenizer.json)", 0, 0, 0},
         {"tokenizer", "FILE", CLI_STR, &tokenizer, "none", "a tokenizer.json file, instead of --model", 0, 0, 0},
         {"text", "TEXT", CLI_STR, &text, "none", "text to encode (special tokens recognised); prints a JSON array of ids", 0, 0, 0},
+        {"file", "FILE", CLI_STR, &file, "none", "encode the text of FILE ('-': standard input), as --text does", 0, 0, 0},
+        {"no-special", NULL, CLI_FLAG, &no_special, "off", "with --text or --file: special tokens' text is plain text (as for a message's content)", 0, 0, 0},
         {"decode", "IDS", CLI_STR, &decode, "none", "comma-separated ids to decode; prints the text", 0, 0, 0},
         {"skip-special", NULL, CLI_FLAG, &skip_special, "off", "with --decode: drop special tokens", 0, 0, 0},
     };
-    cli_command cmd = {"tokenize", "[--model DIR | --tokenizer FILE] (--text TEXT | --decode IDS) [options]",
+    cli_command cmd = {"tokenize", "[--model DIR | --tokenizer FILE] (--text TEXT | --file FILE | --decode IDS) [options]",
                        "Encodes text with the model's tokenizer, or decodes token ids.", opts,
                        (int)(sizeof opts / sizeof opts[0])};
     int rc = cli_parse(&cmd, argc, argv);
     if (rc >= 0) return rc;
-    if (!!text + !!decode != 1) return cli_usage_error(&cmd, "give exactly one of --text and --decode");
+    if (!!text + !!file + !!decode != 1) return cli_usage_error(&cmd, "give exactly one of --text, --file and --decode");
     if (model && tokenizer) return cli_usage_error(&cmd, "give --model or --tokenizer, not both");
     if (skip_special && !decode) return cli_usage_error(&cmd, "--skip-special applies to --decode only");
+    if (no_special && decode) return cli_usage_error(&cmd, "--no-special applies to --text and --file only");
+    char *file_text = NULL;
+    size_t text_len = text ? strlen(text) : 0;
+    if (file) {
+        if (!(file_text = cli_read_text("tokenize", file, &text_len))) return CLI_EXIT_FAIL;
+        if (strlen(file_text) != text_len) {
+            cli_error("tokenize", "%s: holds a NUL byte (at byte %zu): not text", file, strlen(file_text));
+            free(file_text);
+            return CLI_EXIT_FAIL;
+        }
+        text = file_text;
+    }
 
     int32_t *ids = NULL;
     size_t n = 0;
     if (decode && cli_parse_ids(&cmd, "--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
-    if (text && cli_check_utf8(&cmd, "--text", text)) {
+    if (text && cli_check_utf8(&cmd, file ? file : "--text", text)) {
         free(ids);
-        return CLI_EXIT_USAGE;
+        free(file_text);
+        return file ? CLI_EXIT_FAIL : CLI_EXIT_USAGE;
     }
     char path[4096];
     int model_vocab = 0; /* a pack's: ids past the tokenizer's, up to it, decode to no text */
@@ -41,6 +56,7 @@ int cmd_tokenize(int argc, char **argv) {
         char dir[4000];
         if (cli_model_dir(model, dir, sizeof dir)) {
             free(ids);
+            free(file_text);
             return CLI_EXIT_FAIL;
         }
         snprintf(path, sizeof path, "%s/tokenizer.json", dir);
@@ -55,7 +71,7 @@ int cmd_tokenize(int argc, char **argv) {
         goto done;
     }
     if (text) {
-        if (df_tokenizer_encode(tok, text, strlen(text), 1, &ids, &n, &err) != DF_OK) {
+        if (df_tokenizer_encode(tok, text, text_len, !no_special, &ids, &n, &err) != DF_OK) {
             cli_error("tokenize", "%s", err.msg);
             goto done;
         }
@@ -84,6 +100,7 @@ int cmd_tokenize(int argc, char **argv) {
     rc = CLI_EXIT_OK;
 done:
     free(ids);
+    free(file_text);
     df_tokenizer_free(tok);
     return rc;
 }

@@ -18,7 +18,7 @@ COMMAND_OPTIONS = {
     "generate": ["--model", "--prompt", "--chat", "--messages", "--prompt-ids", "--enable-thinking", "--temperature",
                  "--top-p", "--top-k", "--min-p", "--seed", "--max-tokens", "--stop", "--threads", "--device", *DRAFT_OPTIONS,
                  "--stats", "--json", "--help"],
-    "tokenize": ["--model", "--tokenizer", "--text", "--decode", "--skip-special", "--help"],
+    "tokenize": ["--model", "--tokenizer", "--text", "--file", "--no-special", "--decode", "--skip-special", "--help"],
     "render": ["--model", "--request", "--enable-thinking", "--ids", "--help"],
     "serve": ["--model", "--host", "--port", "--model-id", "--api-key", "--threads", "--device", "--ctx-size", "--max-tokens",
               "--enable-thinking", "--top-logprobs-k", "--queue", *DRAFT_OPTIONS, "--max-body", "--max-header",
@@ -518,6 +518,61 @@ def test_render_bare_message_list_and_tools(tmp_path):
         "messages": msgs, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
         check=True).stdout
     assert named == auto + "<tool_call>\n<function=get_weather>\n"
+
+
+def test_cli_requests_checked_as_generate_applies_them(tmp_path):
+    """add_generation_prompt takes effect, so it is not named as ignored; render checks
+    logit_bias ids against the model's vocabulary (2048 rows, more than the tokenizer's ids), as
+    generate and the server do."""
+    req = write_json(tmp_path, "agp.json", {"messages": [{"role": "user", "content": "x"}],
+                                            "add_generation_prompt": False, "max_tokens": 2})
+    p = run_cli("generate", *model_args(), "--messages", str(req), "--json", check=True)
+    assert "does not act on" not in p.stderr, p.stderr
+    rendered = run_cli("render", *model_args(), "--request", str(req), "--ids", check=True).stdout
+    assert json.loads(p.stdout)["prompt_ids"] == json.loads(rendered)
+    for key, ok in (("2047", True), ("2048", False)):
+        lb = write_json(tmp_path, "lb%s.json" % key, {"messages": [{"role": "user", "content": "x"}],
+                                                     "logit_bias": {key: 5}, "max_tokens": 1})
+        r = run_cli("render", *model_args(), "--request", str(lb), "--ids")
+        g = run_cli("generate", *model_args(), "--messages", str(lb))
+        assert (r.returncode == 0) == ok and (g.returncode == 0) == ok, (key, r.stderr, g.stderr)
+
+
+def test_generate_input_errors_exit_2():
+    """An empty prompt names its option; a seed past 64 bits states the range; a prompt the
+    context cannot hold is a malformed value (status 2), as the README's rule for values that
+    only the loaded model can check says."""
+    p = run_cli("generate", *model_args(), "--prompt", "")
+    assert p.returncode == 2 and "--prompt" in p.stderr and "empty" in p.stderr, p.stderr
+    for seed in ("18446744073709551616", "-9223372036854775809"):
+        p = run_cli("generate", *model_args(), "--prompt", "hi", "--seed", seed)
+        assert p.returncode == 2 and "-9223372036854775808 to 18446744073709551615" in p.stderr, p.stderr
+    p = run_cli("generate", *model_args(), "--prompt", "word " * 5000, "--max-tokens", "1")
+    assert p.returncode == 2 and "does not fit the context" in p.stderr, p.stderr
+
+
+def test_tokenize_file_and_no_special(tmp_path):
+    """--file encodes a file's text exactly (its trailing newlines kept, "-" = standard input),
+    as --text would; --no-special encodes special tokens' text as plain text."""
+    text = "hi <|im_end|> there\n\n"
+    f = tmp_path / "t.txt"
+    f.write_bytes(text.encode())
+    by_text = json.loads(run_cli("tokenize", *model_args(), "--text", text, check=True).stdout)
+    by_file = json.loads(run_cli("tokenize", *model_args(), "--file", str(f), check=True).stdout)
+    assert by_file == by_text
+    p = subprocess.run([DFLASH_BIN, "tokenize", *model_args(), "--file", "-"], input=text, capture_output=True,
+                       text=True, timeout=60, env=base_env())
+    assert p.returncode == 0 and json.loads(p.stdout) == by_text
+    special = json.loads(run_cli("tokenize", *model_args(), "--text", "<|im_end|>", check=True).stdout)
+    plain = json.loads(run_cli("tokenize", *model_args(), "--text", "<|im_end|>", "--no-special", check=True).stdout)
+    assert len(special) == 1 and len(plain) > 1 and special[0] not in plain
+    decoded = run_cli("tokenize", *model_args(), "--decode", ",".join(map(str, plain)), check=True).stdout
+    assert decoded == "<|im_end|>\n"   # decode ends its text with a newline
+    assert run_cli("tokenize", *model_args(), "--text", "a", "--file", str(f)).returncode == 2
+    assert run_cli("tokenize", *model_args(), "--decode", "1", "--no-special").returncode == 2
+    (tmp_path / "nul.txt").write_bytes(b"a\0b")
+    p = run_cli("tokenize", *model_args(), "--file", str(tmp_path / "nul.txt"))
+    assert p.returncode == 1 and "NUL" in p.stderr
 
 
 def test_render_template_error_exits_1(tmp_path):
