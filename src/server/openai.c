@@ -1074,7 +1074,9 @@ json_t *df_api_completion_logprobs(const df_tokenizer *tok, const df_token_info 
         json_t *top = json_object();
         for (int k = 0; top && k < info[i].n_top; k++) {
             json_t *tt = legacy_token(tok, info[i].top[k].id);
-            if (tt) json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
+            /* two tokens of the same text keep the first, more likely one's value */
+            if (tt && !json_object_get(top, json_string_value(tt)))
+                json_object_set_new(top, json_string_value(tt), logprob_value(info[i].top[k].logprob));
             json_decref(tt);
         }
         if (top && t && !json_object_get(top, json_string_value(t)))
