@@ -520,11 +520,11 @@ static int prepare_prompts(df_server *srv, df_job *j, df_api_error *e) {
              * bound: tokenizing it would cost time and many times its size in memory) */
             const int is_text = json_is_string(p);
             const size_t len = is_text ? json_string_length(p) : json_array_size(p);
-            const size_t at_least = !is_text ? len : (max_piece && len > DF_PROMPT_EXACT_BYTES ? len / max_piece : 0);
-            if (at_least >= n_ctx) {
+            const size_t known = !is_text ? len : (max_piece && len > DF_PROMPT_EXACT_BYTES ? len / max_piece : 0);
+            if (known >= n_ctx) {
                 char param[32] = "prompt";
                 if (r->n_prompts > 1) snprintf(param, sizeof param, "prompt[%d]", i);
-                return context_exceeded(e, param, at_least, n_ctx, is_text);
+                return context_exceeded(e, param, known, n_ctx, is_text);
             }
             if (json_is_string(p)) {
                 size_t n = 0;
@@ -751,6 +751,11 @@ static void cors_preflight(const df_http_request *req, df_route_label route, df_
     else snprintf(resp->cors_headers, sizeof resp->cors_headers, "Authorization, Content-Type");
 }
 
+/* 1 when a completion body comes with a Content-Encoding (415: it is read as sent). */
+static int compressed_body(const df_http_request *req) {
+    return req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity") != 0;
+}
+
 int df_server_refuses_by_headers(df_server *srv, const df_http_request *req) {
     const char *m = req->method ? req->method : "";
     const df_route_label route = classify(req->path ? req->path : "");
@@ -758,8 +763,7 @@ int df_server_refuses_by_headers(df_server *srv, const df_http_request *req) {
         return 0;
     if (!authorized(srv, req->authorization)) return 1;
     if (route != DF_ROUTE_CHAT && route != DF_ROUTE_COMPLETIONS) return 0;
-    return strcmp(m, "POST") != 0 ||
-           (req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity"));
+    return strcmp(m, "POST") != 0 || compressed_body(req);
 }
 
 void df_server_handle(df_server *srv, const df_http_request *req, df_http_response *resp) {
@@ -795,7 +799,7 @@ void df_server_handle(df_server *srv, const df_http_request *req, df_http_respon
     } else if (route == DF_ROUTE_CHAT || route == DF_ROUTE_COMPLETIONS) {
         if (!post) {
             method_not_allowed(m, path, allow_post, resp);
-        } else if (req->content_encoding && req->content_encoding[0] && strcasecmp(req->content_encoding, "identity")) {
+        } else if (compressed_body(req)) {
             char enc[64];
             printable(req->content_encoding, enc, sizeof enc);
             df_api_error_set(&e, 415, "invalid_request_error", "unsupported_content_encoding", NULL,
