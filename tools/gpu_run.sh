@@ -7,7 +7,9 @@
 # it), final (the same without block 16 and the memory runs), mem (peak memory at 1k and 32k),
 # trace (the kernel timeline of a decode step and of verify passes: tools/trace_report.py),
 # ab (plain decoding of VARIANTS alternating; a variant with BASE=1 runs the baseline binary),
-# short (final's bench at block 4 only, 3 identity prompts), pdlgap (bench_pdl_gap). Library packages come from
+# short (final's bench at block 4 only, 3 identity prompts), pdlgap (bench_pdl_gap), e2e (the
+# end-to-end tests against the server build on the GPU), serve27 (tools/gpu_serve_check.py on
+# the 27B-shaped pack). Library packages come from
 # ../.gpu-deps (Debian .debs, unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU
 # machine with nvcc 13.0), else built here. Logs go to $OUT.
 set -u
@@ -243,6 +245,22 @@ for s in $STEPS; do
   pdlgap)
     # how soon a dependent kernel goes on after the one before it ends: PDL wait against a flag
     timeout 60 "$BIN/bench_pdl_gap" 2>&1 | tee -a "$OUT/summary.txt" ;;
+  e2e)
+    # the end-to-end tests (tests/e2e) with every server and `generate` of the tests on the GPU
+    # (DFLASH_E2E_DEVICE=cuda): the server build (prebuilt/dflash-srv, gpu_sync.sh), the
+    # demo model through prebuilt/../models, Python packages as wheels from ../.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$ROOT"/.whl/*.whl > "$OUT/e2e.log" 2>&1
+    [ -e models ] || ln -s "$ROOT/models" models
+    (cd "$ROOT" && PYTHONPATH=/tmp/site DFLASH_BIN=$BIN/dflash-srv DFLASH_E2E_DEVICE=cuda \
+       timeout ${E2E_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/e2e ${E2E_ARGS:-}) >> "$OUT/e2e.log" 2>&1
+    echo "e2e rc=$?" | tee -a "$OUT/summary.txt"
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/e2e.log" | tail -40 | tee -a "$OUT/summary.txt" ;;
+  serve27)
+    # the server on the 27B-shaped pack: answers, token identity with plain generate, speed
+    t timeout 500 python3 tools/gpu_serve_check.py --bin "$BIN/dflash-srv" --model /tmp/p27 \
+      --drafter /tmp/p27/drafter ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve27.log" | tee -a "$OUT/summary.txt"
+    cp /tmp/gpu-serve.log "$OUT/" 2>/dev/null ;;
   mem)
     echo "cmd: dflash bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve --memory-ctx 1024,32768" >> "$OUT/summary.txt"
     t timeout 400 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --no-verify-curve \

@@ -11,6 +11,9 @@ git ls-files -co --exclude-standard | grep -v '^tests/fixtures/\|^models/' | tar
 for b in dflash-gpu bench_cuda_ops bench_pdl_gap tests/test_cuda_ops tests/test_cuda_model; do
   strip -o "$DEST/prebuilt/$(basename $b)" "build-cuda/$b"
 done
+# the server build (build/: tools/setup.sh's, with the CUDA backend when nvcc is here) travels as
+# dflash-srv, for the end-to-end tests on the GPU (gpu_run.sh's e2e step)
+if [ -x build/dflash ]; then strip -o "$DEST/prebuilt/dflash-srv" build/dflash; fi
 # BASE_BUILD=DIR: that build's dflash-gpu travels too, as the baseline of A/B runs (BASE=1)
 if [ -n "${BASE_BUILD:-}" ]; then strip -o "$DEST/prebuilt/dflash-gpu-base" "$BASE_BUILD/dflash-gpu"; fi
 # the four binaries share most of their GPU code: compressed together they travel in far less

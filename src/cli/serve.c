@@ -132,7 +132,7 @@ int cmd_serve(int argc, char **argv) {
         {"timeout", "S", CLI_INT, &timeout, "30", "seconds an idle connection (or a client that stops sending) is kept", 1, 86400, 0},
         {"request-timeout", "S", CLI_INT, &request_timeout, "60", "seconds a client has to send a whole request (headers and body) from the connection's opening or its previous answer; a slower or stalled one gets 408, or is closed while its headers are still arriving (an idle kept-alive connection too)", 1, 86400, 0},
         {"cors-origin", "ORIGIN", CLI_STR, &cors, "*", "Access-Control-Allow-Origin of every answer, for browsers calling from other origins (OPTIONS preflights answered 204, without a key): *, null or one origin scheme://host[:port]; 'none': no CORS headers", 0, 0, 0},
-        {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request field dflash_forced_output (its tokens replace the sampled ones)", 0, 0, 0},
+        {"test-hooks", NULL, CLI_FLAG, &test_hooks, "off", "testing only: honour the request fields dflash_forced_output (its tokens replace the sampled ones) and dflash_delay_ms (a sleep at each token and prefill chunk)", 0, 0, 0},
     };
     cli_command cmd = {"serve", "[options]",
                        "Serves the model over an OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions\n"

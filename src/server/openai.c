@@ -629,8 +629,13 @@ static int parse_output_options(df_api_request *req, const df_api_context *ctx, 
         if (req->echo && req->gen.logprobs)
             return unsupported(e, "echo", "'echo' together with 'logprobs' (prompt log-probabilities)");
     }
-    if (ctx->test_hooks && get_string(root, "dflash_forced_output", "dflash_forced_output", &req->forced_output, e))
-        return -1;
+    if (ctx->test_hooks) {
+        long long delay = 0;
+        if (get_string(root, "dflash_forced_output", "dflash_forced_output", &req->forced_output, e) ||
+            get_integer(root, "dflash_delay_ms", "dflash_delay_ms", 0, 1000, &delay, NULL, e))
+            return -1;
+        req->delay_ms = (int)delay;
+    }
     return 0;
 }
 

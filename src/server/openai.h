@@ -44,7 +44,7 @@ typedef struct df_api_context {
                                                   model's embedding rows: an id past the tokenizer's is
                                                   a valid input that reads as no text, as in outputs) */
     int max_top_logprobs;                      /* top_logprobs / logprobs upper bound */
-    int test_hooks;                            /* honour "dflash_forced_output" */
+    int test_hooks;                            /* honour "dflash_forced_output", "dflash_delay_ms" */
 } df_api_context;
 
 /* A validated completion request. Not copyable (gen.sampling.logit_bias points into it). */
@@ -62,8 +62,11 @@ typedef struct df_api_request {
     const json_t *prompts[DF_API_MAX_PROMPTS];
     int n_prompts;
     int echo;
-    /* test hook: text whose tokens replace the sampled ones (NULL = none) */
+    /* test hooks: text whose tokens replace the sampled ones (NULL = none); milliseconds the
+     * worker sleeps at each of the generation's stop checks (each token, each prefill chunk),
+     * so that tests of queueing and cancellation hold a generation running on any device */
     const char *forced_output;
+    int delay_ms;
 } df_api_request;
 
 /* Parses and validates body (len bytes) for route. Unknown fields are ignored; a known

@@ -14,11 +14,37 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/threads.h"
 #include "dflash/speculative.h"
 
 /* ---- loading ------------------------------------------------------------------------ */
+
+/* On a GPU, one short greedy generation (speculative when a drafter is loaded) before the
+ * server reports ready: a backend uploads a weight at its first use, so this moves the upload
+ * of every weight (seconds for a large pack) and its out-of-memory errors from the first
+ * request to loading. The session and drafter state are reset by every generation. */
+static df_status warm_up(df_server *srv, df_error *err) {
+    if (!srv->opt.device || strcmp(srv->opt.device, "cpu") == 0) return DF_OK;
+    const int32_t prompt[2] = {0, 1};
+    df_gen_params gp = df_gen_params_default();
+    gp.max_tokens = 8;
+    df_gen_result res;
+    memset(&res, 0, sizeof res);
+    df_status st;
+    if (srv->dstate)
+        st = df_generate_speculative(srv->session, srv->dstate, prompt, 2, &gp, &srv->opt.spec, NULL, NULL, &res, err);
+    else
+        st = df_generate(srv->session, prompt, 2, &gp, NULL, NULL, &res, err);
+    df_gen_result_free(&res);
+    if (st == DF_ERR_NUMERIC) { /* non-finite logits: an engine error of each request, not of loading */
+        *err = (df_error){0};
+        st = DF_OK;
+    }
+    if (st) df_error_prefix(err, "warm-up generation");
+    return st;
+}
 
 static int load_model(df_server *srv) {
     df_error err = {0};
@@ -34,6 +60,7 @@ static int load_model(df_server *srv) {
         if (st) df_error_prefix(&err, "drafter");
         if (!st) st = df_draft_state_init(&srv->dstate, srv->drafter, srv->opt.draft_window, &err);
     }
+    if (!st) st = warm_up(srv, &err);
     if (st) {
         df_server_redact(srv, err.msg, srv->load_error, sizeof srv->load_error);
         snprintf(srv->load_error_full, sizeof srv->load_error_full, "%s", err.msg);
@@ -200,6 +227,10 @@ static int should_stop(gen_ctx *c) {
  * "while waiting" then, not when their turn comes. */
 static int run_should_stop(gen_ctx *c) {
     df_server *srv = c->j->srv;
+    if (c->j->req.delay_ms > 0) { /* the test hook "dflash_delay_ms" */
+        const struct timespec ts = {.tv_sec = c->j->req.delay_ms / 1000, .tv_nsec = c->j->req.delay_ms % 1000 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     const double now = df_now_ms();
     if (now - srv->prune_ms >= 250.0) {
         srv->prune_ms = now;

@@ -8,6 +8,8 @@ Environment (set by CTest):
                      "tiny-bonsai2" (the fixture pack) or a pack folder
   DFLASH_E2E_SANITIZED  set when DFLASH_BIN is an ASan/UBSan build: slower, so timing
                      bounds are relaxed
+  DFLASH_E2E_DEVICE  "cuda" runs every server and every `generate` of the tests on the GPU
+                     (`--device cuda`; default: the CPU)
 
 The drafter of every speculative test is tests/fixtures/tiny-dflash (random weights, made
 for tiny-bonsai2, whose shapes the demo model shares).
@@ -32,6 +34,8 @@ STARTUP_TIMEOUT_S = 120
 SANITIZED = bool(os.environ.get("DFLASH_E2E_SANITIZED"))
 FIXTURES = pathlib.Path(os.environ.get("DFLASH_FIXTURES") or (SOURCE_DIR / "tests" / "fixtures"))
 DRAFTER = str(FIXTURES / "tiny-dflash")
+DEVICE = os.environ.get("DFLASH_E2E_DEVICE", "")
+DEVICE_ARGS = ["--device", DEVICE] if DEVICE else []
 
 
 def model_dir():
@@ -74,7 +78,10 @@ def base_env():
 
 
 def run_cli(*args, env=None, timeout=300, check=False):
-    """Runs `dflash ARGS...`; returns the CompletedProcess (text mode)."""
+    """Runs `dflash ARGS...` (a `generate` on DFLASH_E2E_DEVICE); returns the CompletedProcess
+    (text mode)."""
+    if args and args[0] == "generate" and "--device" not in args:
+        args = (args[0], *DEVICE_ARGS, *args[1:])
     p = subprocess.run([DFLASH_BIN, *args], capture_output=True, text=True, timeout=timeout,
                        env=env if env is not None else base_env())
     if check and p.returncode != 0:
@@ -102,7 +109,7 @@ class Server:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self.proc = subprocess.Popen(
-                [DFLASH_BIN, "serve", "--port", str(self.port), *self.model_args, *self.extra],
+                [DFLASH_BIN, "serve", "--port", str(self.port), *DEVICE_ARGS, *self.model_args, *self.extra],
                 stdout=subprocess.DEVNULL, stderr=self.log, env=self.env)
             if self._wait_ready():
                 return

@@ -25,7 +25,7 @@ import openai
 import pytest
 import requests
 
-from conftest import DRAFTER, SANITIZED, Server, check_clean_exit, run_cli, model_args
+from conftest import DRAFTER, SANITIZED, Server, assert_error, check_clean_exit, run_cli, model_args
 
 PROMPTS = ["Hello", "def fib(n):", "Write a poem about the sea.", "import os", "class Stack:"]
 TOOLS = [{"type": "function", "function": {
@@ -662,13 +662,28 @@ def test_decode_speed_counts_the_tokens_after_the_first(server):
 
 # ---- queue, cancellation, shutdown ------------------------------------------------------
 
+def test_delay_hook(server, plain_server):
+    """dflash_delay_ms (--test-hooks only) slows a generation by its sleep at each token, and is
+    range-checked; a server without --test-hooks ignores it like any unknown field."""
+    body = {"messages": msgs("Hello"), "max_tokens": 8, "temperature": 0}
+    t0 = time.time()
+    r = post(server.url, "/v1/chat/completions", {**body, "dflash_delay_ms": 100})
+    assert r.status_code == 200, r.text
+    assert time.time() - t0 >= 0.1 * r.json()["usage"]["completion_tokens"]
+    for bad in (-1, 1001, "5", 2.5):
+        assert_error(post(server.url, "/v1/chat/completions", {**body, "dflash_delay_ms": bad}), 400,
+                     param="dflash_delay_ms")
+    r = post(plain_server.url, "/v1/chat/completions", {**body, "dflash_delay_ms": 1001})
+    assert r.status_code == 200, r.text
+
+
 def test_full_queue_answers_503():
-    with Server("--queue", "1") as s:
+    with Server("--queue", "1", "--test-hooks") as s:
         results = []
 
-        def one():
+        def one():   # each 200 takes at least 1.2 s (the delay hook), on any device
             r = post(s.url, "/v1/chat/completions", {"messages": msgs("Tell me a story."), "max_tokens": 120,
-                                                      "temperature": 0})
+                                                      "temperature": 0, "dflash_delay_ms": 10})
             results.append((r.status_code, r.headers.get("Retry-After"), r.json()))
         threads = [threading.Thread(target=one) for _ in range(6)]
         for t in threads:
@@ -692,9 +707,9 @@ def test_full_queue_answers_503():
 
 def test_clients_that_leave_the_queue_free_their_places():
     """Waiting requests whose clients hang up are dropped before the queue is judged full."""
-    with Server("--queue", "2") as s:
+    with Server("--queue", "2", "--test-hooks") as s:
         long_req = {"messages": msgs("Hi"), "max_tokens": 100000, "temperature": 0,
-                    "logit_bias": {"1984": -100, "1986": -100}, "stream": True}
+                    "logit_bias": {"1984": -100, "1986": -100}, "stream": True, "dflash_delay_ms": 20}
         r = requests.post(s.url + "/v1/chat/completions", stream=True, timeout=60, json=long_req)
         it = r.iter_lines()
         next(it)   # the long generation is running

@@ -447,13 +447,14 @@ def test_sigint_shuts_down_gracefully():
 
 def test_shutdown_during_generation():
     """SIGTERM while a long generation runs: it is cancelled (503) and the process exits 0."""
-    with Server() as s:
+    with Server("--test-hooks") as s:
         result = {}
 
         def long_request():
             try:
                 r = requests.post(s.url + "/v1/chat/completions", timeout=120,
-                                  json={"messages": MSG, "max_tokens": 100000, "temperature": 0, "logit_bias": {"1984": -100, "1986": -100}})
+                                  json={"messages": MSG, "max_tokens": 100000, "temperature": 0,
+                                        "logit_bias": {"1984": -100, "1986": -100}, "dflash_delay_ms": 20})
                 result["status"] = r.status_code
             except requests.RequestException as e:
                 result["error"] = e
@@ -466,18 +467,19 @@ def test_shutdown_during_generation():
         assert "shutting down" in s.log_text()
 
 
-LONG_PROMPT_IDS = [276 + i % 50 for i in range(3900)]   # seconds of prefill on the CPU
+LONG_PROMPT_IDS = [276 + i % 50 for i in range(3900)]
+# with the delay hook, its 244 prefill chunks take at least 4.9 s on any device
+LONG_PREFILL = {"prompt": LONG_PROMPT_IDS, "max_tokens": 1, "temperature": 0, "dflash_delay_ms": 20}
 
 
 def test_shutdown_during_long_prefill():
     """SIGTERM while a long prompt is prefilled stops at the next prefill chunk: the request
     gets 503 before any token is generated and the process exits at once."""
-    with Server() as s:
+    with Server("--test-hooks") as s:
         result = {}
 
         def long_request():
-            r = requests.post(s.url + "/v1/completions", timeout=120,
-                              json={"prompt": LONG_PROMPT_IDS, "max_tokens": 1, "temperature": 0})
+            r = requests.post(s.url + "/v1/completions", timeout=120, json=LONG_PREFILL)
             result["status"] = r.status_code
         t = threading.Thread(target=long_request)
         t.start()
@@ -496,8 +498,8 @@ def test_shutdown_during_long_prefill():
 def test_client_disconnect_during_long_prefill():
     """A client that hangs up while its long prompt is prefilled frees the server within one
     prefill chunk (logged 499, no token generated)."""
-    with Server() as s:
-        body = json.dumps({"prompt": LONG_PROMPT_IDS, "max_tokens": 1, "temperature": 0}).encode()
+    with Server("--test-hooks") as s:
+        body = json.dumps(LONG_PREFILL).encode()
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
