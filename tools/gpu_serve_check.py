@@ -111,7 +111,7 @@ def main():
         print(f"completion {p[:30]!r}: {n} tokens in {sec:.3f} s = {n / sec:.1f} tok/s (prompt {j['usage']['prompt_tokens']}),"
               f" x-dflash: {hdr.get('x-dflash', hdr.get('X-Dflash', '-'))}")
         stext, first, ssec = stream_text(url + "/v1/completions", body(p))
-        print(f"  streamed: first content after {first if first is None else round(first, 3)} s, all in {ssec:.3f} s")
+        print(f"  streamed: first text after {first if first is None else round(first, 3)} s, all in {ssec:.3f} s")
         if stext != text:
             fails.append(f"{p!r}: the streamed text differs from the non-streamed one")
     # the server warms up while loading: its first request is not slowed by uploads

@@ -58,6 +58,7 @@ typedef struct df_drafter df_drafter;
 df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_error *err);
 /* The engine a drafter was loaded for (its backend runs the drafter). */
 const df_engine *df_drafter_engine(const df_drafter *d);
+/* Frees the drafter (before its engine, whose backend it tells that its files are unmapped). */
 void df_drafter_free(df_drafter *d);
 
 /* Quantizes the drafter's dense linears (fc and every layer's q, k, v, o, gate, up, down) at

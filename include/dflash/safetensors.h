@@ -77,6 +77,9 @@ const char *df_tensors_format(const df_tensor_set *set);
 const char *df_tensors_file_path(const df_tensor_set *set, int file_index);
 /* Number of files in the set (1 for a single file, the shard count for an index). */
 int df_tensors_file_count(const df_tensor_set *set);
+/* The read-only mapping of file file_index (the whole file): its address, and its size in bytes
+ * in *bytes; NULL (and 0) when out of range. It does not change while the set lives. */
+const void *df_tensors_file_map(const df_tensor_set *set, int file_index, size_t *bytes);
 
 void df_tensors_free(df_tensor_set *set);
 

@@ -67,6 +67,11 @@ typedef struct df_backend_ops {
     void (*copy_rows)(df_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                       size_t row_bytes, int rows);
     void (*zero)(df_backend *be, void *dst, size_t bytes);
+    /* Optional (NULL: nothing to do). on = 1: the host memory [p, p + bytes) holds weights that
+     * do not change until the same call with on = 0 (a read-only file mapping), so a backend
+     * that keeps device copies of host weights need not check them for changes at each use;
+     * on = 0 (bytes ignored): that promise ends (before the memory is unmapped). */
+    void (*host_const)(df_backend *be, const void *p, size_t bytes, int on);
 
     /* out[M, E->cols] = rows ids[M] (host array) of the embedding, dequantized, and
      * inverse-rotated when E->hadamard_block > 0 (signs ⊙ Hn(fp16(row)), rounded to fp16). */

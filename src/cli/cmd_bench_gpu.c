@@ -156,9 +156,19 @@ static void cuda_stats_print(df_engine *e, const char *indent) {
     if (is_cuda(e)) {
         df_cuda_stats cs;
         df_backend_cuda_stats(e->be, &cs);
-        printf("%sCUDA steps: %ld, replayed as graphs: %ld, graphs captured: %ld\n", indent,
-               cs.steps - g_stats_mark.steps, cs.graph_replays - g_stats_mark.graph_replays,
-               cs.graph_captures - g_stats_mark.graph_captures);
+        const long n = cs.graph_replays - g_stats_mark.graph_replays;
+        printf("%sCUDA steps: %ld, replayed as graphs: %ld, graphs captured: %ld; host time per replayed step: %.1f us "
+               "before it (the device idle), %.1f us to launch it\n",
+               indent, cs.steps - g_stats_mark.steps, n, cs.graph_captures - g_stats_mark.graph_captures,
+               n > 0 ? (cs.host_between_ms - g_stats_mark.host_between_ms) * 1e3 / (double)n : 0.0,
+               n > 0 ? (cs.host_launch_ms - g_stats_mark.host_launch_ms) * 1e3 / (double)n : 0.0);
+        const long ns = cs.steps - g_stats_mark.steps;
+        if (ns > 0)
+            printf("%s  commands recorded per step: %.0f; host ms per step in weight lookups %.3f, in records %.3f "
+                   "(DFLASH_CUDA_HOST_PROFILE=1; all steps)\n",
+                   indent, (double)(cs.commands - g_stats_mark.commands) / (double)ns,
+                   (cs.host_weights_ms - g_stats_mark.host_weights_ms) / (double)ns,
+                   (cs.host_record_ms - g_stats_mark.host_record_ms) / (double)ns);
         g_stats_mark = cs;
     }
 #else

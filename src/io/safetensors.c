@@ -213,6 +213,13 @@ const char *df_tensors_file_path(const df_tensor_set *set, int file_index) {
 
 int df_tensors_file_count(const df_tensor_set *set) { return set ? set->n_files : 0; }
 
+const void *df_tensors_file_map(const df_tensor_set *set, int file_index, size_t *bytes) {
+    *bytes = 0;
+    if (!set || file_index < 0 || file_index >= set->n_files) return NULL;
+    *bytes = set->files[file_index].size;
+    return set->files[file_index].map;
+}
+
 void df_tensors_free(df_tensor_set *set) {
     if (!set) return;
     for (int i = 0; i < set->n_files; i++) {

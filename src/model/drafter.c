@@ -333,6 +333,7 @@ df_status df_drafter_load(df_drafter **out, const char *dir, df_engine *eng, df_
     }
     st = df_tensors_open_dir(&d->ts, dir, err);
     if (st != DF_OK) goto fail;
+    df_backend_tensors_const(eng->be, d->ts, 1); /* until df_drafter_free unmaps them */
     const int H = c->hidden_size, hd = c->head_dim, I = c->intermediate_size;
     d->layers = calloc((size_t)c->n_layers, sizeof *d->layers);
     if (!d->layers) {
@@ -397,6 +398,7 @@ void df_drafter_free(df_drafter *d) {
     for (int i = 0; i < d->n_qowned; i++) free(d->qowned[i]);
     free(d->qowned);
     free(d->layers);
+    df_backend_tensors_const(d->eng ? d->eng->be : NULL, d->ts, 0);
     df_tensors_free(d->ts);
     free(d);
 }

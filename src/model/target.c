@@ -17,6 +17,15 @@
 /* ---- engine -------------------------------------------------------------------------------- */
 
 /* The backend named by opt->device: "cpu" (default) or "cuda". */
+void df_backend_tensors_const(df_backend *be, const df_tensor_set *ts, int on) {
+    if (!be || !be->ops->host_const) return;
+    for (int i = 0; i < df_tensors_file_count(ts); i++) {
+        size_t n = 0;
+        const void *p = df_tensors_file_map(ts, i, &n);
+        if (p) be->ops->host_const(be, p, n, on);
+    }
+}
+
 static df_status backend_create(df_backend **out, const df_engine_options *opt, df_error *err) {
     const char *dev = opt && opt->device ? opt->device : "cpu";
     if (strcmp(dev, "cpu") == 0) return df_backend_cpu_create(out, opt ? opt->n_threads : 0, err);
@@ -52,6 +61,7 @@ df_status df_engine_load(df_engine **out, const char *dir, const df_engine_optio
     if (st != DF_OK) goto fail;
     st = backend_create(&e->be, opt, err);
     if (st != DF_OK) goto fail;
+    df_backend_tensors_const(e->be, e->pack->tensors, 1); /* read-only mappings: no checks for changes */
     *out = e;
     return DF_OK;
 fail:

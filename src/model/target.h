@@ -67,4 +67,8 @@ df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *log
  * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
+/* Tells backend be (df_backend_ops.host_const, when it has one) that the file mappings of ts
+ * do not change (on = 1) or are about to be unmapped (on = 0). */
+void df_backend_tensors_const(df_backend *be, const df_tensor_set *ts, int on);
+
 #endif

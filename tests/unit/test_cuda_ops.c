@@ -422,6 +422,41 @@ static void test_weight_reupload(void **state) {
     free_linear(&q);
 }
 
+/* A host range declared constant (host_const): its weights are taken by pointer and shape,
+ * not checked (new codes at the same pointer keep the first upload's results, bit for bit);
+ * once the range is dropped, the next use uploads the new codes. */
+static void test_weight_const_range(void **state) {
+    (void)state;
+    NEED_GPU();
+    qlin q;
+    make_linear(&q, 32, 256, 2, 128, 0, 0, 0);
+    const int cols = 256, rows = 32;
+    const size_t wbytes = (size_t)rows * cols * 2 / 8;
+    float x[256], y0[32], y1[32], yc[32];
+    for (int i = 0; i < cols; i++) x[i] = frand();
+    float *dx = dput(g_gpu, x, sizeof x), *dy = g_gpu->ops->alloc(g_gpu, sizeof y0);
+    uint32_t *w = q.w;
+    assert_non_null(g_gpu->ops->host_const);
+    g_gpu->ops->host_const(g_gpu, w, wbytes, 1);
+    g_gpu->ops->linear(g_gpu, &q.L, dx, 1, dy);
+    dget(g_gpu, y0, dy, sizeof y0);
+    g_cpu->ops->linear(g_cpu, &q.L, x, 1, yc);
+    check_qpath(&q.L, x, 1, y0, yc, "constant range, first upload");
+    for (int i = 0; i < rows * cols * 2 / 32; i++) w[i] = urand(); /* breaks the promise, to see it kept */
+    g_gpu->ops->linear(g_gpu, &q.L, dx, 1, dy);
+    dget(g_gpu, y1, dy, sizeof y1);
+    if (memcmp(y0, y1, sizeof y0) != 0) fail_msg("constant range: the weight was read again");
+    g_gpu->ops->host_const(g_gpu, w, 0, 0);
+    g_gpu->ops->linear(g_gpu, &q.L, dx, 1, dy);
+    dget(g_gpu, y1, dy, sizeof y1);
+    g_cpu->ops->linear(g_cpu, &q.L, x, 1, yc);
+    check_qpath(&q.L, x, 1, y1, yc, "constant range dropped: new codes");
+    gpu_ok(g_gpu, "constant range");
+    dfree_(g_gpu, dx);
+    dfree_(g_gpu, dy);
+    free_linear(&q);
+}
+
 /* ---- rmsnorm, add, swiglu, argmax ------------------------------------------------------------------ */
 
 static void test_elementwise(void **state) {
@@ -1337,7 +1372,8 @@ static void test_fused(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload), cmocka_unit_test(test_elementwise),
+        cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload),
+        cmocka_unit_test(test_weight_const_range), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared), cmocka_unit_test(test_mma_multi),
     };

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -24,6 +25,13 @@ enum { W_VEC = 1, W_LIN = 2, W_EMB = 3 };
 enum { LIN_SIMPLE = 0, LIN_Q = 32, LIN_DENSE = 33 };
 
 #define FP_BYTES 32
+#define DF_CUDA_MAX_CONST 32
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
 
 /* An uploaded weight. Fingerprint: the shape fields and bytes at the start, middle and end
  * of the host data. */
@@ -110,6 +118,16 @@ typedef struct cuda_backend {
     int use_graphs;
     const char *trace_path; /* DFLASH_CUDA_TRACE: the timeline file written at destroy, or NULL */
     long n_steps, n_replays, n_captures;
+    double t_step_end;                        /* monotonic ms of the last step's end (0: none yet) */
+    double host_between_ms, host_launch_ms;   /* df_cuda_stats */
+    int host_profile;                         /* DFLASH_CUDA_HOST_PROFILE: time the weight lookups and records */
+    /* host ranges whose weights never change (df_backend_ops.host_const): their weights are
+     * found by pointer and shape, without reading the host data to check it */
+    const unsigned char *const_p[DF_CUDA_MAX_CONST];
+    size_t const_n[DF_CUDA_MAX_CONST];
+    int n_const;
+    double host_weights_ms, host_record_ms;   /* df_cuda_stats (with host_profile) */
+    long n_recorded;                          /* commands recorded */
 } cuda_backend;
 
 static cuda_backend *cub(df_backend *be) { return (cuda_backend *)be; }
@@ -225,6 +243,14 @@ static void fingerprint(const void *host, size_t n, unsigned char fp[3][FP_BYTES
     memcpy(fp[2], p + n - k, k);
 }
 
+/* 1 when [p, p + n) lies in a range registered as constant (cu_host_const). */
+static int in_const(const cuda_backend *cb, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (int i = 0; i < cb->n_const; i++)
+        if (b >= cb->const_p[i] && n <= cb->const_n[i] && (size_t)(b - cb->const_p[i]) <= cb->const_n[i] - n) return 1;
+    return 0;
+}
+
 static void wentry_release(cuda_backend *cb, wentry *e) {
     size_t b = dfree(cb, e->d_w) + dfree(cb, e->d_s) + dfree(cb, e->d_b) + dfree(cb, e->d_signs);
     cb->weight_bytes -= b;
@@ -287,7 +313,17 @@ static void *walloc(cuda_backend *cb, size_t bytes) {
 }
 
 /* Device copy of a float vector of n elements (norm weights, conv weights, A_log, ...). */
+static const float *dvec_(cuda_backend *cb, const float *host, size_t n);
+/* dvec_, timed with DFLASH_CUDA_HOST_PROFILE */
 static const float *dvec(cuda_backend *cb, const float *host, size_t n) {
+    if (!cb->host_profile) return dvec_(cb, host, n);
+    const double t0 = now_ms();
+    const float *d = dvec_(cb, host, n);
+    cb->host_weights_ms += now_ms() - t0;
+    return d;
+}
+
+static const float *dvec_(cuda_backend *cb, const float *host, size_t n) {
     if (!host) return NULL;
     int fresh;
     wentry *e = w_slot(cb, host, W_VEC, &fresh);
@@ -295,6 +331,7 @@ static const float *dvec(cuda_backend *cb, const float *host, size_t n) {
         fail(cb, "CUDA backend: out of host memory");
         return NULL;
     }
+    if (!fresh && e->d_w && e->host_bytes == n * sizeof(float) && in_const(cb, host, n * sizeof(float))) return e->d_w;
     unsigned char fp[3][FP_BYTES];
     fingerprint(host, n * sizeof(float), fp);
     if (!fresh && e->host_bytes == n * sizeof(float) && memcmp(fp, e->fp, sizeof fp) == 0) return e->d_w;
@@ -314,11 +351,13 @@ static size_t lin_host_bytes(const df_linear *L) {
     return (size_t)L->rows * (size_t)L->cols * dtype_size(L->wdtype);
 }
 
+/* 1 when entry e holds linear L: its shape fields and pointers, and (fp != NULL) the
+ * fingerprint of its host data. */
 static int same_linear(const wentry *e, const df_linear *L, unsigned char fp[3][FP_BYTES]) {
     return e->rows == L->rows && e->cols == L->cols && e->bits == L->bits && e->gs == L->group_size &&
            e->wdtype == (int)L->wdtype && e->sdtype == (int)L->sdtype && e->hb == L->hadamard_block &&
            e->h_scales == L->scales && e->h_biases == L->biases && e->h_signs == L->signs &&
-           memcmp(fp, e->fp, 3 * FP_BYTES) == 0;
+           (!fp || memcmp(fp, e->fp, 3 * FP_BYTES) == 0);
 }
 
 /* K-slices per CTA of the tensor-core linear: from the shape alone (never from M), so that a
@@ -358,7 +397,17 @@ static int choose_kw_q(int rows, int ng, int ring) {
 static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
 
 /* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
+static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind);
+/* dlin_, timed with DFLASH_CUDA_HOST_PROFILE */
 static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
+    if (!cb->host_profile) return dlin_(cb, L, kind);
+    const double t0 = now_ms();
+    const wentry *e = dlin_(cb, L, kind);
+    cb->host_weights_ms += now_ms() - t0;
+    return e;
+}
+
+static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
     int fresh;
     wentry *e = w_slot(cb, L->w, kind, &fresh);
     if (!e) {
@@ -366,6 +415,9 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
         return NULL;
     }
     const size_t hbytes = lin_host_bytes(L);
+    /* a weight in a constant range: the same pointer and shape are the same weight (its
+     * fingerprint, three reads of host memory far apart, was most of a step's host time) */
+    if (!fresh && e->d_w && in_const(cb, L->w, hbytes) && same_linear(e, L, NULL)) return e;
     unsigned char fp[3][FP_BYTES];
     fingerprint(L->w, hbytes, fp);
     if (!fresh && e->d_w && same_linear(e, L, fp)) return e;
@@ -520,7 +572,19 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 static void step_run(cuda_backend *cb);
 
 /* Appends a command (args: a struct of at most CMD_ARGS bytes, zero-padded by the caller). */
+static void record_(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size);
 static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size) {
+    cb->n_recorded++;
+    if (!cb->host_profile) {
+        record_(cb, fn, what, args, size);
+        return;
+    }
+    const double t0 = now_ms();
+    record_(cb, fn, what, args, size);
+    cb->host_record_ms += now_ms() - t0;
+}
+
+static void record_(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size) {
     if (cb->n_cmds == cb->cap_cmds) {
         size_t cap = cb->cap_cmds ? cb->cap_cmds * 2 : 2048;
         cmd *n = realloc(cb->cmds, cap * sizeof *n);
@@ -601,6 +665,7 @@ static int run_cmds(cuda_backend *cb) {
 /* Runs the recorded step (replaying or capturing a graph when it repeats) and waits for it. */
 static void step_run(cuda_backend *cb) {
     if (cb->n_cmds || cb->n_params || cb->n_stage) {
+        const double t0 = now_ms();
         cb->n_steps++;
         gentry *hit = NULL, *victim = NULL;
         const uint64_t key = fnv(cb->sig_hash, &cb->n_params, sizeof cb->n_params) ^ (uint64_t)cb->n_stage;
@@ -619,6 +684,9 @@ static void step_run(cuda_backend *cb) {
         if (hit && hit->exec) {
             st = (int)cudaGraphLaunch(hit->exec, cb->stream);
             cb->n_replays++;
+            const double t1 = now_ms(); /* the host times of replayed steps (df_cuda_stats) */
+            if (cb->t_step_end > 0) cb->host_between_ms += t0 - cb->t_step_end;
+            cb->host_launch_ms += t1 - t0;
         } else if (hit && hit->no_graph) {
             run_cmds(cb);
         } else if (hit) { /* second occurrence: capture it */
@@ -673,6 +741,7 @@ static void step_run(cuda_backend *cb) {
     cb->sig_hash = 0xcbf29ce484222325ULL;
     for (size_t i = 0; i < cb->n_dfree; i++) dfree(cb, cb->dfree_later[i]);
     cb->n_dfree = 0;
+    cb->t_step_end = now_ms();
 }
 
 /* ---- memory ops -------------------------------------------------------------------------------- */
@@ -687,6 +756,33 @@ static void *cu_alloc(df_backend *be, size_t bytes) {
         return NULL;
     }
     return p;
+}
+
+/* df_backend_ops.host_const: registers (on = 1) or drops (on = 0) a constant host range; past
+ * DF_CUDA_MAX_CONST ranges the weights of further ones are checked as any other. Dropping a
+ * range frees the device copies of its weights (after the recorded ops have run): memory mapped
+ * there later may hold other data at the same addresses. */
+static void cu_host_const(df_backend *be, const void *p, size_t bytes, int on) {
+    cuda_backend *cb = cub(be);
+    for (int i = 0; i < cb->n_const; i++)
+        if (cb->const_p[i] == p) { /* drop it (a new registration replaces it) */
+            const unsigned char *b = cb->const_p[i];
+            const size_t n = cb->const_n[i];
+            step_run(cb);
+            for (size_t k = 0; k < cb->w_cap; k++) {
+                wentry *e = cb->w[k];
+                if (e && (const unsigned char *)e->key >= b && (size_t)((const unsigned char *)e->key - b) < n)
+                    wentry_release(cb, e);
+            }
+            cb->const_p[i] = cb->const_p[cb->n_const - 1];
+            cb->const_n[i] = cb->const_n[cb->n_const - 1];
+            cb->n_const--;
+            break;
+        }
+    if (on && p && bytes && cb->n_const < DF_CUDA_MAX_CONST) {
+        cb->const_p[cb->n_const] = p;
+        cb->const_n[cb->n_const++] = bytes;
+    }
 }
 
 static void cu_dealloc(df_backend *be, void *p) {
@@ -1765,6 +1861,7 @@ static const df_backend_ops cuda_ops = {
     .copy = cu_copy,
     .copy_rows = cu_copy_rows,
     .zero = cu_zero,
+    .host_const = cu_host_const,
     .embed = cu_embed,
     .linear = cu_linear,
     .rmsnorm = cu_rmsnorm,
@@ -1871,6 +1968,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     if (ach) dfk_set_attn_chunk(atoi(ach));
     const char *adg = getenv("DFLASH_CUDA_ATTN_DIAG"); /* timing experiments only (dfk_set_attn_diag) */
     dfk_set_attn_diag(adg ? atoi(adg) : 0);
+    const char *hp = getenv("DFLASH_CUDA_HOST_PROFILE"); /* diagnostics: host time in weight lookups, records */
+    cb->host_profile = hp && atoi(hp) > 0;
     const char *qg = getenv("DFLASH_CUDA_QGRID"); /* 0: the fewest CTAs with equal units (dfk_set_q_full_grid) */
     dfk_set_q_full_grid(!(qg && strcmp(qg, "0") == 0));
     const char *qst = getenv("DFLASH_CUDA_QSTAGE"); /* k_lin_qb's ring shape (dfk_set_q_stage) */
@@ -1909,6 +2008,11 @@ void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st) {
     st->steps = cb->n_steps;
     st->graph_replays = cb->n_replays;
     st->graph_captures = cb->n_captures;
+    st->host_between_ms = cb->host_between_ms;
+    st->host_launch_ms = cb->host_launch_ms;
+    st->host_weights_ms = cb->host_weights_ms;
+    st->host_record_ms = cb->host_record_ms;
+    st->commands = cb->n_recorded;
     st->cur_bytes = cb->cur;
     st->peak_bytes = cb->peak;
     st->weight_bytes = cb->weight_bytes;

@@ -58,6 +58,16 @@ typedef struct df_cuda_stats {
     long steps;            /* recorded steps run (see cuda_backend.c: steps and graphs) */
     long graph_replays;    /* of which replayed as a CUDA graph */
     long graph_captures;   /* graphs captured */
+    /* host time, ms, summed over the steps replayed as graphs: from the end of the previous
+     * step (its wait for the device) to this step's run (the engine's work between steps and
+     * the recording of the step's commands: the device has nothing queued then), and from there
+     * to the graph's launch call's return (the step's lookup among the graphs, the launch) */
+    double host_between_ms, host_launch_ms;
+    /* with DFLASH_CUDA_HOST_PROFILE=1 (diagnostics; the timing costs host time itself): ms in
+     * the weight table's lookups (with their fingerprints) and in recording commands, over all
+     * steps; and the commands recorded (always counted) */
+    double host_weights_ms, host_record_ms;
+    long commands;
 } df_cuda_stats;
 
 void df_backend_cuda_stats(df_backend *be, df_cuda_stats *st);
