@@ -16,7 +16,6 @@
 
 /* ---- engine -------------------------------------------------------------------------------- */
 
-/* The backend named by opt->device: "cpu" (default) or "cuda". */
 void df_backend_tensors_const(df_backend *be, const df_tensor_set *ts, int on) {
     if (!be || !be->ops->host_const) return;
     for (int i = 0; i < df_tensors_file_count(ts); i++) {
@@ -26,6 +25,7 @@ void df_backend_tensors_const(df_backend *be, const df_tensor_set *ts, int on) {
     }
 }
 
+/* The backend named by opt->device: "cpu" (default) or "cuda". */
 static df_status backend_create(df_backend **out, const df_engine_options *opt, df_error *err) {
     const char *dev = opt && opt->device ? opt->device : "cpu";
     if (strcmp(dev, "cpu") == 0) return df_backend_cpu_create(out, opt ? opt->n_threads : 0, err);

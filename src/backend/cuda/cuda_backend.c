@@ -312,7 +312,6 @@ static void *walloc(cuda_backend *cb, size_t bytes) {
     return d;
 }
 
-/* Device copy of a float vector of n elements (norm weights, conv weights, A_log, ...). */
 static const float *dvec_(cuda_backend *cb, const float *host, size_t n);
 /* dvec_, timed with DFLASH_CUDA_HOST_PROFILE */
 static const float *dvec(cuda_backend *cb, const float *host, size_t n) {
@@ -323,6 +322,7 @@ static const float *dvec(cuda_backend *cb, const float *host, size_t n) {
     return d;
 }
 
+/* Device copy of a float vector of n elements (norm weights, conv weights, A_log, ...). */
 static const float *dvec_(cuda_backend *cb, const float *host, size_t n) {
     if (!host) return NULL;
     int fresh;
@@ -396,7 +396,6 @@ static int choose_kw_q(int rows, int ng, int ring) {
 
 static int wdtype_code(df_dtype t) { return t == DF_DTYPE_F32 ? 2 : (t == DF_DTYPE_BF16 ? 1 : 0); }
 
-/* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
 static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind);
 /* dlin_, timed with DFLASH_CUDA_HOST_PROFILE */
 static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
@@ -407,6 +406,7 @@ static const wentry *dlin(cuda_backend *cb, const df_linear *L, int kind) {
     return e;
 }
 
+/* Uploads (and for the tensor-core path repacks) a linear or an embedding. */
 static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
     int fresh;
     wentry *e = w_slot(cb, L->w, kind, &fresh);
@@ -571,8 +571,8 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 
 static void step_run(cuda_backend *cb);
 
-/* Appends a command (args: a struct of at most CMD_ARGS bytes, zero-padded by the caller). */
 static void record_(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size);
+/* record_, counted (and timed with DFLASH_CUDA_HOST_PROFILE) */
 static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size) {
     cb->n_recorded++;
     if (!cb->host_profile) {
@@ -584,6 +584,7 @@ static void record(cuda_backend *cb, cmd_fn fn, const char *what, const void *ar
     cb->host_record_ms += now_ms() - t0;
 }
 
+/* Appends a command (args: a struct of at most CMD_ARGS bytes, zero-padded by the caller). */
 static void record_(cuda_backend *cb, cmd_fn fn, const char *what, const void *args, size_t size) {
     if (cb->n_cmds == cb->cap_cmds) {
         size_t cap = cb->cap_cmds ? cb->cap_cmds * 2 : 2048;
