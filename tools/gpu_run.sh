@@ -249,6 +249,7 @@ for s in $STEPS; do
     # the end-to-end tests (tests/e2e) with every server and `generate` of the tests on the GPU
     # (DFLASH_E2E_DEVICE=cuda): the server build (prebuilt/dflash-srv, gpu_sync.sh), the
     # demo model through prebuilt/../models, Python packages as wheels from ../.whl
+    # (tools/gpu_wheels.sh makes them)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$ROOT"/.whl/*.whl > "$OUT/e2e.log" 2>&1
     [ -e models ] || ln -s "$ROOT/models" models
