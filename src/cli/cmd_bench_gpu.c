@@ -556,6 +556,7 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     if ((long)o.ctx + o.gen + 64 > pk->cfg.max_position_embeddings) {
         df_error_set(&err, DF_ERR_RANGE, "--ctx %d + --gen %d (+ 64 positions of room) exceeds the model's context of %d",
                      o.ctx, o.gen, pk->cfg.max_position_embeddings);
+        rc = CLI_EXIT_USAGE; /* a value only the loaded model can check: malformed all the same (README) */
         goto out;
     }
     if (df_session_init(&s, e, o.ctx + o.gen + 64, &err) != DF_OK) goto out;

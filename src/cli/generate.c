@@ -299,7 +299,7 @@ int cmd_generate(int argc, char **argv) {
     if (drafter_dir && (df_drafter_load(&drafter, drafter_dir, eng, &err) != DF_OK ||
                         (draft_quant && df_drafter_quantize(drafter, draft_quant, &err) != DF_OK) ||
                         df_draft_state_init(&ds, drafter, window, &err) != DF_OK)) {
-        cli_error("generate", "drafter: %s", err.msg);
+        cli_error("generate", "%s%s", strncmp(err.msg, "drafter", 7) != 0 ? "drafter: " : "", err.msg);
         goto done;
     }
     df_gen_params gp = df_gen_params_default();

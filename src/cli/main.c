@@ -1,6 +1,7 @@
 /* dflash command-line entry point: dflash serve | generate | render | tokenize | synth | bench. */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -64,6 +65,9 @@ static int flushed(const char *what, int rc) {
 
 int main(int argc, char **argv) {
     keep_standard_streams();
+    /* a write to a reader that left fails with EPIPE, which every command reports (exit 1,
+     * "cannot write the output: Broken pipe"), instead of killing the process */
+    signal(SIGPIPE, SIG_IGN);
     if (argc < 2) {
         usage(stderr);
         return CLI_EXIT_USAGE;

@@ -57,7 +57,7 @@ static int load_model(df_server *srv) {
     if (!st && srv->drafter_dir) {
         st = df_drafter_load(&srv->drafter, srv->drafter_dir, srv->eng, &err);
         if (!st && srv->opt.draft_quant) st = df_drafter_quantize(srv->drafter, srv->opt.draft_quant, &err);
-        if (st) df_error_prefix(&err, "drafter");
+        if (st && strncmp(err.msg, "drafter", 7) != 0) df_error_prefix(&err, "drafter"); /* most say so already */
         if (!st) st = df_draft_state_init(&srv->dstate, srv->drafter, srv->opt.draft_window, &err);
     }
     if (!st) st = warm_up(srv, &err);

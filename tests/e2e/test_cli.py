@@ -367,6 +367,20 @@ def test_bad_input_values_exit_2():
         assert p.stderr.strip()
 
 
+def test_bench_context_beyond_the_model_is_a_usage_error():
+    """A --ctx the loaded model cannot hold is a malformed value: status 2, as in generate."""
+    p = run_cli("bench", "--device", "cpu", *model_args(), "--ctx", "5000", "--gen", "2", "--no-verify-curve")
+    assert p.returncode == 2 and "exceeds the model's context" in p.stderr, p.stderr
+
+
+def test_drafter_errors_say_drafter_once(tmp_path):
+    bad = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, bad)
+    (bad / "config.json").write_text("{")
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--drafter", str(bad))
+    assert p.returncode == 1 and "drafter config.json" in p.stderr and "drafter: drafter" not in p.stderr, p.stderr
+
+
 def test_bench_defaults_to_the_default_model():
     p = run_cli("bench", "--device", "cpu", "--ctx", "8", "--gen", "2", "--no-verify-curve", *model_args())
     assert p.returncode == 0, p.stderr
@@ -768,7 +782,8 @@ def test_generation_stops_at_the_first_failed_write(tmp_path):
         p = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=base_env())
         t_full_disk = time.monotonic() - t0
     assert p.returncode == 1 and "cannot write the output: No space left on device" in p.stderr, p.stderr
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), restore_signals=False)
+    # SIGPIPE at its default, as in a shell pipeline (`dflash generate ... | head -c 5`)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), restore_signals=True)
     t0 = time.monotonic()
     p.stdout.read(1)
     p.stdout.close()   # the reader leaves
