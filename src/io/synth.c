@@ -20,6 +20,7 @@
 
 #include "core/threads.h"
 #include "dflash/synth.h"
+#include "dflash/tokenizer.h"
 
 typedef struct synth_shape {
     int hidden, layers, heads, kv_heads, head_dim, lin_k_heads, lin_v_heads, lin_k_dim, lin_v_dim, conv_k;
@@ -523,6 +524,18 @@ df_status df_synth_pack(const df_synth_options *o, df_error *err) {
     if (access(src, R_OK) != 0)
         return df_error_set(err, DF_ERR_IO, "synth: %s: %s (give the folder of a tokenizer.json with --tokenizer)", src,
                             strerror(errno));
+    { /* the tokenizer is copied as it is: it must load, and its ids fit the pack's vocabulary */
+        df_tokenizer *tok = NULL;
+        df_status ts = df_tokenizer_load(&tok, src, err);
+        const int32_t n = ts == DF_OK ? df_tokenizer_vocab_size(tok) : 0;
+        df_tokenizer_free(tok);
+        if (ts != DF_OK) return df_error_prefix(err, "synth: --tokenizer");
+        if (n > s->vocab)
+            return df_error_set(err, DF_ERR_INVALID_ARG,
+                                "synth: %s has ids up to %d; the %s pack's vocabulary has %d (give a tokenizer with at "
+                                "most that many ids)",
+                                src, n - 1, preset, s->vocab);
+    }
     df_status st = make_dir(o->out_dir, err);
     if (st != DF_OK) return st;
     df_pool *pool = NULL;

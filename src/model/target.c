@@ -59,6 +59,13 @@ df_status df_engine_load(df_engine **out, const char *dir, const df_engine_optio
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     st = df_tokenizer_load(&e->tok, path, err); /* its errors name the file */
     if (st != DF_OK) goto fail;
+    if (df_tokenizer_vocab_size(e->tok) > c->vocab_size) { /* its ids would index past the embedding */
+        st = df_error_set(err, DF_ERR_MODEL,
+                          "%s has ids up to %d, but config.json's vocab_size is %d: the tokenizer does not belong to "
+                          "this model",
+                          path, df_tokenizer_vocab_size(e->tok) - 1, c->vocab_size);
+        goto fail;
+    }
     st = backend_create(&e->be, opt, err);
     if (st != DF_OK) goto fail;
     df_backend_tensors_const(e->be, e->pack->tensors, 1); /* read-only mappings: no checks for changes */

@@ -455,6 +455,34 @@ def test_help_command_and_option_scope():
     assert p.returncode == 2 and "--skip-special applies to --decode only" in p.stderr, p.stderr
 
 
+def _tokenizer_with_id(src_dir, dst_dir, new_id):
+    """dst_dir/tokenizer.json: src_dir's with one more added token, id new_id."""
+    t = json.loads((pathlib.Path(src_dir) / "tokenizer.json").read_text())
+    t["added_tokens"].append({**t["added_tokens"][0], "id": new_id, "content": "<|extra|>"})
+    (pathlib.Path(dst_dir) / "tokenizer.json").write_text(json.dumps(t))
+
+
+def test_tokenizer_must_fit_the_vocabulary(tmp_path):
+    """A tokenizer with ids past the model's vocabulary is refused when the pack loads (and by
+    synth before it writes anything); a tokenizer that does not load is refused by synth."""
+    demo = model_dir() or str(SOURCE_DIR / "models" / "demo")
+    vocab = json.loads((pathlib.Path(demo) / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    pack = tmp_path / "pack"
+    shutil.copytree(demo, pack, ignore=shutil.ignore_patterns("reference*"))
+    _tokenizer_with_id(demo, pack, vocab)
+    p = run_cli("generate", "--model", str(pack), "--chat", "hi", "--max-tokens", "2")
+    assert p.returncode == 1 and f"ids up to {vocab}" in p.stderr and "does not belong" in p.stderr, p.stderr
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    _tokenizer_with_id(demo, tok, 5000)   # the tiny preset's vocabulary is 4096
+    p = run_cli("synth", "--config", "tiny", "--out", str(tmp_path / "s1"), "--tokenizer", str(tok))
+    assert p.returncode != 0 and "ids up to 5000" in p.stderr and not (tmp_path / "s1").exists(), p.stderr
+    (tok / "tokenizer.json").write_text('{"model": {"vocab": 5}}')
+    p = run_cli("synth", "--config", "tiny", "--out", str(tmp_path / "s2"), "--tokenizer", str(tok))
+    assert p.returncode != 0 and "--tokenizer" in p.stderr and not (tmp_path / "s2").exists(), p.stderr
+
+
 def test_synth_names_what_is_missing():
     p = run_cli("synth")
     assert p.returncode == 2
