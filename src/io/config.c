@@ -212,6 +212,8 @@ static df_status parse_rope(df_text_config *cfg, json_t *text, json_t *root, df_
         if (!levels[l]) continue;
         for (int k = 0; k < 2; k++) {
             json_t *o = json_object_get(levels[l], names[k]);
+            if (o && !json_is_null(o) && !json_is_object(o))
+                return df_error_set(err, DF_ERR_FORMAT, "field %s%s must be an object", lw[l], names[k]);
             if (json_is_object(o) && rs.n < 3) {
                 rs.obj[rs.n] = o;
                 rs.where[rs.n++] = k == 0 ? "rope_parameters." : "rope_scaling.";
@@ -225,6 +227,19 @@ static df_status parse_rope(df_text_config *cfg, json_t *text, json_t *root, df_
             rs.obj[rs.n] = levels[l];
             rs.where[rs.n++] = lw[l];
         }
+    /* only unscaled rotary embeddings: a scaling (yarn, linear, dynamic, ...) would change every
+     * position's angles, so a pack that asks for one is refused rather than run wrongly */
+    static const char *const kinds[2] = {"rope_type", "type"};
+    for (int k = 0; k < 2; k++) {
+        const char *where = "";
+        json_t *t = src_get(&rs, kinds[k], &where);
+        if (t && (!json_is_string(t) || (strcmp(json_string_value(t), "default") != 0 &&
+                                         strcmp(json_string_value(t), "mrope") != 0)))
+            return df_error_set(err, DF_ERR_UNSUPPORTED,
+                                "field %s%s must be \"default\" (or \"mrope\"): scaled rotary embeddings are not "
+                                "supported",
+                                where, kinds[k]);
+    }
     cfg->rope_theta = 1e7f;
     cfg->partial_rotary_factor = 0.25f;
     df_status st;
@@ -354,6 +369,8 @@ static df_status text_config_parse_root(df_text_config *cfg, json_t *root, df_er
     if ((v = src_get(&src, "attn_output_gate", NULL)) && !json_is_true(v))
         return df_error_set(err, DF_ERR_UNSUPPORTED,
                             "field attn_output_gate must be true (gated attention)");
+    if ((v = src_get(&src, "attention_bias", NULL)) && !json_is_false(v))
+        return df_error_set(err, DF_ERR_UNSUPPORTED, "field attention_bias must be false (no attention biases)");
     if ((st = parse_rope(cfg, text, root, err)) != DF_OK) return st;
     if ((st = parse_layer_types(cfg, &src, err)) != DF_OK) return st;
     if (text && (st = add_eos(cfg, json_object_get(text, "eos_token_id"),

@@ -291,6 +291,13 @@ static void test_bad_config(void **state) {
         {"top", "gdn_activation_layout", "\"interleaved\"", DF_ERR_UNSUPPORTED,
          "field gdn_activation_layout must be \"grouped\"", NULL},
         {"top", "tie_word_embeddings", "true", DF_ERR_FORMAT, "tie_word_embeddings disagree", NULL},
+        /* scaled or malformed rotary settings are refused, never run unscaled */
+        {"rope", "rope_type", "\"yarn\"", DF_ERR_UNSUPPORTED,
+         "field rope_parameters.rope_type must be \"default\"", "scaled rotary embeddings are not supported"},
+        {"rope", "rope_type", "4", DF_ERR_UNSUPPORTED, "field rope_parameters.rope_type must be", NULL},
+        {"text", "rope_parameters", "\"x\"", DF_ERR_FORMAT, "field text_config.rope_parameters must be an object",
+         NULL},
+        {"text", "attention_bias", "true", DF_ERR_UNSUPPORTED, "field attention_bias must be false", NULL},
     };
     run_cfg_cases(cases, sizeof cases / sizeof cases[0]);
 
