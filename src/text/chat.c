@@ -110,6 +110,18 @@ df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, 
     if (!len) len = &dummy;
     *text = NULL;
     *len = 0;
+    /* tokenizer_config.json, when present, is valid JSON even where a template file takes
+     * precedence over it: a broken pack file is reported, not passed over */
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", pack_dir);
+    if (df_path_present(path)) {
+        json_error_t je;
+        FILE *f = df_fopen_regular(path, err);
+        if (!f) return err ? err->code : DF_ERR_IO;
+        json_t *root = json_loadf(f, 0, &je);
+        fclose(f);
+        if (!root) return df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
+        json_decref(root);
+    }
     /* a file that is there but cannot be read (a FIFO, a folder, a link loop) is an error, never
      * taken for an absent one (df_path_present) */
     snprintf(path, sizeof path, "%s/chat_template.jinja", pack_dir);

@@ -483,6 +483,17 @@ def test_tokenizer_must_fit_the_vocabulary(tmp_path):
     assert p.returncode != 0 and "--tokenizer" in p.stderr and not (tmp_path / "s2").exists(), p.stderr
 
 
+def test_broken_tokenizer_config_is_reported(tmp_path):
+    """A tokenizer_config.json that is not JSON is an error even where chat_template.jinja
+    gives the template."""
+    demo = model_dir() or str(SOURCE_DIR / "models" / "demo")
+    pack = tmp_path / "pack"
+    shutil.copytree(demo, pack, ignore=shutil.ignore_patterns("reference*"))
+    (pack / "tokenizer_config.json").write_text("{{{")
+    p = run_cli("generate", "--model", str(pack), "--chat", "hi", "--max-tokens", "2")
+    assert p.returncode == 1 and "tokenizer_config.json: invalid JSON" in p.stderr, p.stderr
+
+
 def test_synth_names_what_is_missing():
     p = run_cli("synth")
     assert p.returncode == 2
