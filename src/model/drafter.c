@@ -9,6 +9,7 @@
  * then logits = lm_head(RMSNorm(x, norm)) with the target's head.
  */
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,10 +57,13 @@ struct df_draft_state {
 
 /* ---- loading ------------------------------------------------------------------------------- */
 
+/* An integer field into *out (INT_MIN when it lies outside int's range: every caller's check
+ * refuses that); 0 when absent or not an integer. */
 static int json_int(json_t *o, const char *key, int *out) {
     json_t *v = json_object_get(o, key);
     if (!json_is_integer(v)) return 0;
-    *out = (int)json_integer_value(v);
+    const json_int_t x = json_integer_value(v);
+    *out = x >= INT_MIN && x <= INT_MAX ? (int)x : INT_MIN;
     return 1;
 }
 
@@ -172,6 +176,12 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         if (!json_num(dc, "final_logit_softcapping", &c->final_logit_softcapping))
             json_num(root, "final_logit_softcapping", &c->final_logit_softcapping);
         json_num(dc, "input_embedding_scale", &c->input_embedding_scale);
+        if (c->final_logit_softcapping < 0.0f) {
+            st = df_error_set(err, DF_ERR_FORMAT,
+                              "drafter config.json: final_logit_softcapping %g must be positive (0 or absent: none)",
+                              (double)c->final_logit_softcapping);
+            goto done;
+        }
         if (c->conv_kernel < 0 || c->conv_kernel > 16 || (c->conv_kernel > 0 && (c->conv_group_size <= 0 ||
             c->hidden_size % c->conv_group_size != 0)) || c->selector_rank < 0 || c->selector_top_k < 0 ||
             c->selector_top_k > 64) {
@@ -199,7 +209,9 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         c->sliding[l] = t && strcmp(t, "sliding_attention") == 0;
         c->causal[l] = json_is_boolean(is_causal) ? json_is_true(is_causal) : c->sliding[l];
         if (c->sliding[l] && c->sliding_window < 2) {
-            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: sliding_attention layers need sliding_window >= 2");
+            st = df_error_set(err, DF_ERR_FORMAT,
+                              "drafter config.json: sliding_attention layers need a sliding_window from 2 to %d",
+                              INT_MAX);
             goto done;
         }
     }

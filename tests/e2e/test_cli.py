@@ -381,6 +381,24 @@ def test_drafter_errors_say_drafter_once(tmp_path):
     assert p.returncode == 1 and "drafter config.json" in p.stderr and "drafter: drafter" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("edit,message", [
+    (("sliding_window", 10**12), "need a sliding_window from 2 to 2147483647"),
+    (("dflash_config.final_logit_softcapping", -1), "final_logit_softcapping -1 must be positive"),
+])
+def test_drafter2_values_out_of_range(tmp_path, edit, message):
+    bad = tmp_path / "drafter"
+    shutil.copytree(pathlib.Path(DRAFTER).parent / "tiny-dflash2", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    key, value = edit
+    obj = cfg
+    for part in key.split(".")[:-1]:
+        obj = obj[part]
+    obj[key.split(".")[-1]] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    p = run_cli("generate", *model_args(), "--chat", "hi", "--drafter", str(bad))
+    assert p.returncode == 1 and message in p.stderr, p.stderr
+
+
 def test_bench_defaults_to_the_default_model():
     p = run_cli("bench", "--device", "cpu", "--ctx", "8", "--gen", "2", "--no-verify-curve", *model_args())
     assert p.returncode == 0, p.stderr
