@@ -65,13 +65,20 @@ static df_status read_file(const char *path, char **text, size_t *len, df_error 
 /* The "chat_template" value of a JSON file: a string, or [{"name", "template"}] ("default").
  * optional: a file without the key (tokenizer_config.json often has none) gives DF_OK with
  * *text NULL (no template) instead of a format error. */
-static df_status template_from_json(const char *path, int optional, char **text, size_t *len, df_error *err) {
+/* The JSON of the regular file at path (NULL with err set when it cannot be read or parsed). */
+static json_t *json_file(const char *path, df_error *err) {
     json_error_t je;
     FILE *f = df_fopen_regular(path, err);
-    if (!f) return err ? err->code : DF_ERR_IO;
+    if (!f) return NULL;
     json_t *root = json_loadf(f, 0, &je);
     fclose(f);
-    if (!root) return df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
+    if (!root) df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
+    return root;
+}
+
+static df_status template_from_json(const char *path, int optional, char **text, size_t *len, df_error *err) {
+    json_t *root = json_file(path, err);
+    if (!root) return err ? err->code : DF_ERR_FORMAT;
     json_t *ct = json_object_get(root, "chat_template");
     const json_t *s = NULL;
     if (json_is_string(ct)) {
@@ -114,12 +121,8 @@ df_status df_chat_template_read(const char *pack_dir, char **text, size_t *len, 
      * precedence over it: a broken pack file is reported, not passed over */
     snprintf(path, sizeof path, "%s/tokenizer_config.json", pack_dir);
     if (df_path_present(path)) {
-        json_error_t je;
-        FILE *f = df_fopen_regular(path, err);
-        if (!f) return err ? err->code : DF_ERR_IO;
-        json_t *root = json_loadf(f, 0, &je);
-        fclose(f);
-        if (!root) return df_error_set(err, DF_ERR_FORMAT, "%s: invalid JSON at line %d: %s", path, je.line, je.text);
+        json_t *root = json_file(path, err);
+        if (!root) return err ? err->code : DF_ERR_FORMAT;
         json_decref(root);
     }
     /* a file that is there but cannot be read (a FIFO, a folder, a link loop) is an error, never
