@@ -112,7 +112,13 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         goto done;
     }
     if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->n_heads ? c->hidden_size / c->n_heads : 0;
-    if (!json_int(root, "vocab_size", &c->vocab_size)) c->vocab_size = 0;
+    if (!json_int(root, "vocab_size", &c->vocab_size)) {
+        c->vocab_size = 0;
+    } else if (c->vocab_size < 1) { /* given: checked against the target's, so never taken as absent */
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: vocab_size must be an integer from 1 to %d",
+                          INT_MAX);
+        goto done;
+    }
     if (!json_int(root, "num_target_layers", &c->num_target_layers) &&
         !json_int(dc, "num_target_layers", &c->num_target_layers))
         c->num_target_layers = 0; /* not given: not checked against the target */

@@ -384,6 +384,8 @@ def test_drafter_errors_say_drafter_once(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (("sliding_window", 10**12), "need a sliding_window from 2 to 2147483647"),
     (("dflash_config.final_logit_softcapping", -1), "final_logit_softcapping -1 must be positive"),
+    (("vocab_size", 10**12), "vocab_size must be an integer from 1 to 2147483647"),
+    (("vocab_size", 0), "vocab_size must be an integer from 1 to 2147483647"),
 ])
 def test_drafter2_values_out_of_range(tmp_path, edit, message):
     bad = tmp_path / "drafter"
