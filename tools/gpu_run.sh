@@ -198,7 +198,7 @@ for s in $STEPS; do
         printf -- "-- %s round %s: " "$v" "$r" | tee -a "$OUT/summary.txt"
         # BASE=1: the baseline binary (prebuilt/dflash-gpu-base, from tools/gpu_sync.sh BASE_BUILD)
         exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
-        env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen 64 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+        env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen ${AB_GEN:-64} --no-verify-curve 2>&1 | grep -E "plain decode|host time|commands recorded" | tee -a "$OUT/summary.txt"
       done
     done ;;
   tune)

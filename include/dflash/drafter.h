@@ -107,6 +107,15 @@ df_status df_draft_add_context_device(df_draft_state *st, const float *feats, in
 df_status df_draft_block(df_draft_state *st, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
                          float *logits, df_error *err);
 
+/* 1 when df_draft_block_dev can draft with st: the proposals are the plain argmax of the
+ * logits (no selector, output multiplier or softcapping) and the drafter's backend keeps ids in
+ * its memory (df_backend_ops.argmax_dev). */
+int df_draft_device_ok(const df_draft_state *st);
+/* df_draft_block's proposals written to drafts[B-1] in the memory of the drafter's backend
+ * (a row whose logits are not finite proposes 0), recorded without waiting for the device.
+ * Errors: DF_ERR_UNSUPPORTED (!df_draft_device_ok), DF_ERR_INVALID_ARG (B), DF_ERR_NOMEM. */
+df_status df_draft_block_dev(df_draft_state *st, int32_t bonus, int32_t p0, int B, int32_t *drafts, df_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -146,6 +146,19 @@ typedef struct df_backend_ops {
      * share a state buffer): the bits of n `gdn` calls, which a GPU runs in a few launches
      * (speculative decoding replays the accepted rows of every GDN layer at once). */
     void (*gdn_states)(df_backend *be, const df_gdn_shape *sh, int M, int n, const df_gdn_layer *layers);
+
+    /* Token ids that stay in backend memory (optional, all three or none; NULL: ids go through
+     * the host). Speculative decoding uses them to queue a round's verify pass behind its
+     * drafter pass without a host round trip between them.
+     * embed_dev: `embed` with ids[M] in backend memory (an id outside [0, E->rows) gives a row
+     *   of zeros, as `embed`).
+     * argmax_dev: `argmax` into out[rows] in backend memory, with `bad` in place of -1 for a row
+     *   whose maximum is not finite.
+     * submit: starts the ops recorded so far without waiting for them; the ops recorded next
+     *   run after them. Results still reach the host only through to_host and argmax. */
+    void (*embed_dev)(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out);
+    void (*argmax_dev)(df_backend *be, const float *x, int rows, int width, int32_t *out, int32_t bad);
+    void (*submit)(df_backend *be);
 } df_backend_ops;
 
 struct df_backend {

@@ -96,6 +96,10 @@ typedef struct spec_ctx {
     float **rec_qkv, **rec_z, **rec_a, **rec_b;
     df_gdn_redirect redirect;
     df_gdn_layer *replay; /* [n_layers]: settle_gdn's replay of the accepted rows */
+    /* ids kept in backend memory (the drafter on the target's backend, df_draft_device_ok):
+     * the verify pass reads the block's ids where the drafter wrote them, so the host queues
+     * it behind the drafter pass without waiting (df_backend_ops.submit) */
+    int32_t *dids; /* [2 * DF_MAX_ROWS]: the block's ids, then the target's greedy tokens */
 } spec_ctx;
 
 /* Copies a tap layer's rows into their columns of dtaps on the device (one strided copy; no
@@ -131,6 +135,7 @@ static void ctx_free(spec_ctx *c) {
         free(arrs[i]);
     }
     if (c->dtaps) be->ops->dealloc(be, c->dtaps);
+    if (c->dids) be->ops->dealloc(be, c->dids);
     free(c->replay);
     free(c->feats);
 }
@@ -151,6 +156,10 @@ static df_status ctx_init(spec_ctx *c, df_session *s, df_draft_state *ds, df_err
     c->host_ctx = df_drafter_engine(df_draft_state_drafter(ds))->be != s->be;
     if (c->host_ctx) c->feats = malloc((size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
     c->dtaps = be->ops->alloc(be, (size_t)DF_MAX_ROWS * (size_t)c->F * sizeof(float));
+    if (!c->host_ctx && df_draft_device_ok(ds) && be->ops->embed_dev) {
+        c->dids = be->ops->alloc(be, 2 * DF_MAX_ROWS * sizeof(int32_t));
+        if (!c->dids) goto oom;
+    }
     const int L = tc->n_layers;
     float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
     for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
@@ -320,7 +329,21 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         if (Bv > s->max_ctx - p0) Bv = s->max_ctx - p0;
         int32_t rows[DF_MAX_ROWS];
         rows[0] = bonus;
-        if (Bv >= 2) {
+        const int dev = Bv >= 2 && c.dids; /* the block's ids stay on the device */
+        if (dev) {
+            s->be->ops->to_device(s->be, c.dids, &bonus, sizeof bonus);
+            st = df_draft_block_dev(ds, bonus, p0, Bv, c.dids + 1, err);
+            if (st != DF_OK) break;
+            if (sp.override) {
+                sp.override(sp.override_user, out.n_ids, bonus, Bv, rows + 1);
+                for (int m = 1; m < Bv && st == DF_OK; m++)
+                    if (rows[m] < 0 || rows[m] >= V)
+                        st = df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", rows[m], V);
+                if (st != DF_OK) break;
+                s->be->ops->to_device(s->be, c.dids + 1, rows + 1, (size_t)(Bv - 1) * sizeof(int32_t));
+            }
+            if (s->be->ops->submit) s->be->ops->submit(s->be); /* the drafter pass runs while the verify is recorded */
+        } else if (Bv >= 2) {
             st = df_draft_block(ds, bonus, p0, Bv, rows + 1, NULL, NULL, err);
             if (st != DF_OK) break;
             if (sp.override) sp.override(sp.override_user, out.n_ids, bonus, Bv, rows + 1);
@@ -331,7 +354,22 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
         s->gdn_redirect = Bv >= 2 ? &c.redirect : NULL;
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
-        st = df_target_forward_argmax(s, rows, Bv, t, err);
+        if (dev) {
+            st = df_target_forward_argmax_dev(s, c.dids, Bv, c.dids + DF_MAX_ROWS, err);
+            if (st == DF_OK) { /* the block's ids and the target's tokens in one read */
+                int32_t both[2 * DF_MAX_ROWS];
+                s->be->ops->to_host(s->be, both, c.dids, sizeof both);
+                if (s->be->failed) {
+                    s->be->failed = 0;
+                    st = df_error_set(err, DF_ERR_INTERNAL, "verify: the backend failed to return its tokens");
+                    break;
+                }
+                memcpy(rows, both, (size_t)Bv * sizeof(int32_t));
+                memcpy(t, both + DF_MAX_ROWS, (size_t)Bv * sizeof(int32_t));
+            }
+        } else {
+            st = df_target_forward_argmax(s, rows, Bv, t, err);
+        }
         s->gdn_redirect = NULL;
         if (st != DF_OK) break;
         phase_end(&c, &sp, ph_ms, 1, &tp, Bv >= 2);

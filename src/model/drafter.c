@@ -770,14 +770,16 @@ static const float *block_input(df_draft_state *s, const float *norm_w, const df
     return s->ctx;
 }
 
-df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
-                         float *logits, df_error *err) {
+/* The block's forward pass of df_draft_block: the normed hidden states into s->h [B, hidden]
+ * (and `hidden` on the host when not NULL), rows 1..B-1 through the target's lm_head into
+ * s->logits [B-1, vocab] (raw: no multiplier, no softcapping). Recorded, not awaited. */
+static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int B, float *hidden, df_error *err) {
     df_drafter *d = s->d;
     const df_drafter_config *c = &d->cfg;
     const df_pack *pk = d->eng->pack;
     df_backend *be = dbe(d);
     const df_backend_ops *op = be->ops;
-    const int H = c->hidden_size, V = pk->cfg.vocab_size;
+    const int H = c->hidden_size;
     if (B < 2 || B > DF_MAX_ROWS) return df_error_set(err, DF_ERR_INVALID_ARG, "draft block size %d outside 2..%d", B,
                                                       DF_MAX_ROWS);
     int32_t ids[DF_MAX_ROWS], pos[DF_MAX_ROWS];
@@ -849,7 +851,44 @@ df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, in
     op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
     if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));
     op->linear(be, &pk->lm_head, s->h + H, B - 1, s->logits);
-    if (!logits && !d->sel_pred && c->output_multiplier == 1.0f && !(c->final_logit_softcapping > 0.0f)) {
+    return DF_OK;
+}
+
+/* 1 when the proposals are the plain argmax of the lm_head's logits (no candidate selector,
+ * output multiplier or softcapping). */
+static int plain_argmax_drafts(const df_drafter *d) {
+    return !d->sel_pred && d->cfg.output_multiplier == 1.0f && !(d->cfg.final_logit_softcapping > 0.0f);
+}
+
+int df_draft_device_ok(const df_draft_state *s) {
+    const df_backend_ops *op = dbe(s->d)->ops;
+    return plain_argmax_drafts(s->d) && op->argmax_dev != NULL;
+}
+
+df_status df_draft_block_dev(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, df_error *err) {
+    if (!df_draft_device_ok(s))
+        return df_error_set(err, DF_ERR_UNSUPPORTED, "drafter: these proposals are not taken on the device");
+    df_status st = draft_forward(s, bonus, p0, B, NULL, err);
+    if (st != DF_OK) return st;
+    df_backend *be = dbe(s->d);
+    be->ops->argmax_dev(be, s->logits, B - 1, s->d->eng->pack->cfg.vocab_size, drafts, 0);
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
+    }
+    return DF_OK;
+}
+
+df_status df_draft_block(df_draft_state *s, int32_t bonus, int32_t p0, int B, int32_t *drafts, float *hidden,
+                         float *logits, df_error *err) {
+    df_drafter *d = s->d;
+    const df_drafter_config *c = &d->cfg;
+    df_backend *be = dbe(d);
+    const df_backend_ops *op = be->ops;
+    const int V = d->eng->pack->cfg.vocab_size;
+    df_status st0 = draft_forward(s, bonus, p0, B, hidden, err);
+    if (st0 != DF_OK) return st0;
+    if (!logits && plain_argmax_drafts(d)) {
         /* plain argmax drafts: taken where the logits are (no vocab-wide copy from a device) */
         op->argmax(be, s->logits, B - 1, V, drafts);
         for (int m = 0; m < B - 1; m++)

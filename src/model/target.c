@@ -236,18 +236,25 @@ static void capture_plane(df_session *s, int plane, const float *src, int M) {
     s->be->ops->to_host(s->be, dst, src, (size_t)M * H * sizeof(float));
 }
 
-/* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. . Writes logits [M, vocab] (host)
- * for rows >= logits_from when logits != NULL. */
-static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int32_t *argmax,
-                              int logits_from, df_error *err);
+/* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. (ids on the host, or d_ids in
+ * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
+ * the greedy tokens into argmax (host) or d_argmax (backend memory). */
+static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
+                              int32_t *argmax, int32_t *d_argmax, int logits_from, df_error *err);
 
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err) {
-    return forward_rows(s, ids, M, logits, NULL, logits_from, err);
+    return forward_rows(s, ids, NULL, M, logits, NULL, NULL, logits_from, err);
 }
 
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
-    return forward_rows(s, ids, M, NULL, argmax, 0, err);
+    return forward_rows(s, ids, NULL, M, NULL, argmax, NULL, 0, err);
+}
+
+df_status df_target_forward_argmax_dev(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
+    if (!s->be->ops->embed_dev || !s->be->ops->argmax_dev)
+        return df_error_set(err, DF_ERR_INTERNAL, "forward: the backend keeps no token ids in its memory");
+    return forward_rows(s, NULL, ids, M, NULL, NULL, argmax, 0, err);
 }
 
 /* RMSNorm of x into s->h, then n linears of it (backend.h `linears`, or the primitive ops). */
@@ -279,8 +286,8 @@ static void linear_add(df_session *s, const df_linear *W, const float *x, const 
     be->ops->add(be, y, s->y, (size_t)M * (size_t)W->rows);
 }
 
-static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int32_t *argmax,
-                              int logits_from, df_error *err) {
+static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
+                              int32_t *argmax, int32_t *d_argmax, int logits_from, df_error *err) {
     const df_pack *pk = s->eng->pack;
     const df_text_config *c = &pk->cfg;
     df_backend *be = s->be;
@@ -290,7 +297,7 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
     if (s->pos + M > s->max_ctx)
         return df_error_set(err, DF_ERR_RANGE, "context full: %d positions + %d tokens exceed %d", s->pos, M,
                             s->max_ctx);
-    for (int m = 0; m < M; m++)
+    for (int m = 0; ids && m < M; m++)
         if (ids[m] < 0 || ids[m] >= c->vocab_size)
             return df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", ids[m], c->vocab_size);
     df_status st = ensure_kv(s, s->pos + M, err);
@@ -299,7 +306,8 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
     int32_t positions[DF_MAX_ROWS];
     for (int m = 0; m < M; m++) positions[m] = s->pos + m;
 
-    op->embed(be, &pk->embed, ids, M, s->x);
+    if (d_ids) op->embed_dev(be, &pk->embed, d_ids, M, s->x);
+    else op->embed(be, &pk->embed, ids, M, s->x);
     if (s->capture) capture_plane(s, 0, s->x, M);
 
     const df_attn_shape ash = {
@@ -356,13 +364,14 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
         if (s->tap) s->tap(s->tap_user, l, s->x, M);
     }
     s->pos += M;
-    if (argmax && !logits && !s->capture) { /* greedy decode / verify: final norm fused with lm_head */
+    if ((argmax || d_argmax) && !logits && !s->capture) { /* greedy decode / verify: final norm fused with lm_head */
         const df_linear *Wl[1] = {&pk->lm_head};
         float *yl[1] = {s->logits};
         norm_linears(s, s->x, pk->final_norm.data, M, 1, Wl, yl);
-        op->argmax(be, s->logits, M, c->vocab_size, argmax);
-        argmax = NULL;
-    } else if (s->capture || logits || argmax) {
+        if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
+        else op->argmax(be, s->logits, M, c->vocab_size, argmax);
+        argmax = d_argmax = NULL;
+    } else if (s->capture || logits || argmax || d_argmax) {
         op->rmsnorm(be, s->x, pk->final_norm.data, M, H, c->rms_norm_eps, s->h);
         if (s->capture) {
             capture_plane(s, c->n_layers + 1, s->h, M);
@@ -374,9 +383,10 @@ static df_status forward_rows(df_session *s, const int32_t *ids, int M, float *l
         op->linear(be, &pk->lm_head, s->h + (size_t)logits_from * (size_t)H, n, s->logits);
         op->to_host(be, logits, s->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
     }
-    if (argmax) {
+    if (argmax || d_argmax) {
         op->linear(be, &pk->lm_head, s->h, M, s->logits);
-        op->argmax(be, s->logits, M, c->vocab_size, argmax);
+        if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
+        else op->argmax(be, s->logits, M, c->vocab_size, argmax);
     }
     if (be->failed) {
         be->failed = 0;

@@ -67,6 +67,13 @@ df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *log
  * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
+/* As df_target_forward_argmax with the token ids and the result in backend memory (the
+ * backend's embed_dev and argmax_dev ops, which must exist): ids[M] each in [0, vocab) (the
+ * caller's promise: they are not checked, an id outside gives a row of zeros), argmax[M] the
+ * greedy token after each row (-1 for a row whose logits are not finite). Records the pass
+ * without waiting for it. Same errors. */
+df_status df_target_forward_argmax_dev(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
+
 /* Tells backend be (df_backend_ops.host_const, when it has one) that the file mappings of ts
  * do not change (on = 1) or are about to be unmapped (on = 0). */
 void df_backend_tensors_const(df_backend *be, const df_tensor_set *ts, int on);

@@ -608,6 +608,122 @@ static void test_embed(void **state) {
     }
 }
 
+/* Host data staged into a step (to_device) reaches the device at each run of the step, also
+ * when the step repeats and runs as a replayed graph: copies of 4 bytes to 64 KB, five rounds
+ * of the same commands with new data each round. */
+static void test_staged_copies_replayed(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const size_t sizes[] = {4, 12, 64, 256, 1024, 4096, 65536};
+    int bad = 0;
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        const size_t n = sizes[k] / 4;
+        float *v = malloc(n * 4), *got = malloc(n * 4), *d = be->ops->alloc(be, n * 4), *e = be->ops->alloc(be, n * 4);
+        for (int r = 0; r < 5; r++) {
+            for (size_t i = 0; i < n; i++) v[i] = (float)(r * 1000 + (int)i);
+            be->ops->zero(be, e, n * 4);
+            be->ops->to_device(be, d, v, n * 4);
+            be->ops->add(be, e, d, n);
+            dget(be, got, e, n * 4);
+            if (memcmp(got, v, n * 4) != 0) {
+                printf("staged copy of %zu bytes, round %d: got %g, want %g\n", sizes[k], r, (double)got[0], (double)v[0]);
+                bad++;
+            }
+        }
+        dfree_(be, d);
+        dfree_(be, e);
+        free(v);
+        free(got);
+    }
+    gpu_ok(be, "staged copies");
+    assert_int_equal(bad, 0);
+}
+
+/* Ids kept on the device: argmax_dev == argmax with `bad` for the non-finite rows, embed_dev ==
+ * embed with the same ids from the host; and steps started by `submit` (the speculative round's
+ * drafter pass queued before its verify is recorded): six rounds of three steps, each staging
+ * new host data and reading the previous step's ids on the device, give the bits of the same
+ * ops run without submit (the rounds repeat, so the steps are captured as graphs and replayed
+ * with both pinned buffer pairs). */
+static void test_ids_on_device(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int R = 6, V = 3000, cols = 1024;
+    float *lg = malloc((size_t)R * V * 4);
+    for (int i = 0; i < R * V; i++) lg[i] = frand();
+    lg[(size_t)1 * V + 7] = NAN;
+    lg[(size_t)4 * V + 9] = INFINITY;
+    float *dl = dput(be, lg, (size_t)R * V * 4);
+    int32_t *di = be->ops->alloc(be, 2 * DF_MAX_ROWS * sizeof(int32_t));
+    int32_t host[DF_MAX_ROWS], got[DF_MAX_ROWS];
+    g_cpu->ops->argmax(g_cpu, lg, R, V, host);
+    for (int bad = -1; bad <= 0; bad++) {
+        be->ops->argmax_dev(be, dl, R, V, di, bad);
+        dget(be, got, di, (size_t)R * 4);
+        for (int r = 0; r < R; r++) assert_int_equal(got[r], host[r] < 0 ? bad : host[r]);
+    }
+    assert_true(host[1] < 0 && host[4] < 0 && host[0] >= 0);
+    qlin q;
+    make_linear(&q, V, cols, 2, 128, 1024, 0, 1);
+    int32_t ids[DF_MAX_ROWS] = {5, V - 1, 0, V + 3, 77, 1234};
+    float *e1 = malloc((size_t)R * cols * 4), *e2 = malloc((size_t)R * cols * 4);
+    float *de = be->ops->alloc(be, (size_t)R * cols * 4);
+    be->ops->embed(be, &q.L, ids, R, de);
+    dget(be, e1, de, (size_t)R * cols * 4);
+    be->ops->to_device(be, di, ids, (size_t)R * 4);
+    be->ops->embed_dev(be, &q.L, di, R, de);
+    dget(be, e2, de, (size_t)R * cols * 4);
+    if (memcmp(e1, e2, (size_t)R * cols * 4) != 0) fail_msg("embed_dev differs from embed");
+    /* rounds with and without submit */
+    const size_t nx = (size_t)R * V, nz = (size_t)R * cols;
+    float *vx = malloc(nx * 4), *vz = malloc(nz * 4), *z[2];
+    const uint64_t rs = rng_state;
+    for (int mode = 0; mode < 2; mode++) {
+        rng_state = rs; /* the same data in both modes */
+        float *dx = be->ops->alloc(be, nx * 4), *dy = be->ops->alloc(be, nx * 4);
+        float *dz = be->ops->alloc(be, nz * 4), *dw = be->ops->alloc(be, nz * 4);
+        int32_t *dd = be->ops->alloc(be, DF_MAX_ROWS * sizeof(int32_t));
+        z[mode] = malloc(6 * nz * 4);
+        for (int r = 0; r < 6; r++) {
+            for (size_t i = 0; i < nx; i++) vx[i] = frand();
+            for (size_t i = 0; i < nz; i++) vz[i] = (float)(r + 1) * frand();
+            be->ops->to_device(be, dx, vx, nx * 4);
+            be->ops->add(be, dy, dx, nx);
+            be->ops->argmax_dev(be, dy, R, V, dd, 0);
+            if (mode) be->ops->submit(be);
+            be->ops->embed_dev(be, &q.L, dd, R, dz);
+            be->ops->to_device(be, dw, vz, nz * 4);
+            be->ops->add(be, dz, dw, nz);
+            if (mode) be->ops->submit(be);
+            for (size_t i = 0; i < nz; i++) vz[i] = -frand();
+            be->ops->to_device(be, dw, vz, nz * 4);
+            be->ops->add(be, dz, dw, nz);
+            dget(be, z[mode] + (size_t)r * nz, dz, nz * 4);
+        }
+        gpu_ok(be, "submitted steps");
+        dfree_(be, dx);
+        dfree_(be, dy);
+        dfree_(be, dz);
+        dfree_(be, dw);
+        dfree_(be, dd);
+    }
+    if (memcmp(z[0], z[1], 6 * nz * 4) != 0) fail_msg("steps run with submit differ from the same ops without it");
+    gpu_ok(be, "ids on the device");
+    free(z[0]);
+    free(z[1]);
+    free(vx);
+    free(vz);
+    free(e1);
+    free(e2);
+    free(lg);
+    dfree_(be, dl);
+    dfree_(be, di);
+    dfree_(be, de);
+    free_linear(&q);
+}
+
 /* Tensor-core linears of one input recorded in one step share one input preparation (the
  * backend skips a repeated identical one): their outputs == each linear alone in its own step,
  * bit for bit; and a linear that writes into its input's range in between stops the sharing. */
@@ -1374,7 +1490,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload),
         cmocka_unit_test(test_weight_const_range), cmocka_unit_test(test_elementwise),
-        cmocka_unit_test(test_embed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
+        cmocka_unit_test(test_embed), cmocka_unit_test(test_ids_on_device), cmocka_unit_test(test_staged_copies_replayed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared), cmocka_unit_test(test_mma_multi),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

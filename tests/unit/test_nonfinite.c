@@ -57,6 +57,16 @@ static void test_argmax_and_sampler(void **state) {
     assert_int_equal(out[0], 1);
     assert_int_equal(out[1], -1);
     assert_int_equal(out[2], 1);
+    /* argmax_dev: the same ids in backend memory, `bad` in place of -1 */
+    int32_t *di = be->ops->alloc(be, sizeof out);
+    for (int bad = -1; bad <= 0; bad++) {
+        be->ops->argmax_dev(be, dx, 3, 6, di, bad);
+        be->ops->to_host(be, out, di, sizeof out);
+        assert_int_equal(out[0], 1);
+        assert_int_equal(out[1], bad);
+        assert_int_equal(out[2], 1);
+    }
+    be->ops->dealloc(be, di);
     be->ops->dealloc(be, dx);
     be->ops->destroy(be);
 }

@@ -10,7 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "dflash/speculative.h"
+#include "model/target.h"
 
 #define N_PROMPTS 50
 #define GEN 20
@@ -150,6 +152,63 @@ static void test_exact_all_patterns(void **state) {
         df_gen_result_free(&want);
     }
     printf("replay drafters: %ld rounds, %ld drafted, %ld accepted\n", rounds, drafted, accepted);
+}
+
+/* A backend without the device-id ops (embed_dev, argmax_dev, submit: optional) gets its
+ * rounds through the host, with the same tokens; and a replay drafter proposing an id outside
+ * the vocabulary is refused on either path. */
+static void test_ids_through_host(void **state) {
+    (void)state;
+    df_backend *be = g_eng->be;
+    const df_backend_ops *own = be->ops;
+    df_backend_ops host_ids = *own;
+    host_ids.embed_dev = NULL;
+    host_ids.argmax_dev = NULL;
+    host_ids.submit = NULL;
+    for (int path = 0; path < 2; path++) {
+        be->ops = path ? &host_ids : own;
+        for (int i = 0; i < 3; i++) {
+            df_gen_params gp = df_gen_params_default();
+            gp.max_tokens = GEN;
+            df_gen_result want;
+            plain(g_prompts[i + 20], g_plen[i + 20], &gp, &want);
+            const int blocks[] = {4, 8};
+            for (int b = 0; b < 2; b++)
+                for (int k = -2; k < 2; k++) { /* -2: real drafter; -1: all accepted; 0: none; 1: partial */
+                    df_spec_params sp = df_spec_params_default();
+                    sp.no_fallback = 1;
+                    sp.block = blocks[b];
+                    replay r = {.plain = want.ids, .n_plain = want.n_ids, .corrupt = k};
+                    if (k >= -1) {
+                        sp.override = replay_propose;
+                        sp.override_user = &r;
+                    }
+                    spec_check(g_prompts[i + 20], g_plen[i + 20], &gp, &sp, &want, path ? "host ids" : "device ids",
+                               i + 20);
+                }
+            df_gen_result_free(&want);
+        }
+        /* proposals past the vocabulary (1984 ids) */
+        replay bad = {.plain = NULL, .n_plain = 0, .corrupt = -1};
+        int32_t fake[GEN];
+        for (int k = 0; k < GEN; k++) fake[k] = 5000;
+        bad.plain = fake;
+        bad.n_plain = GEN;
+        df_spec_params sp = df_spec_params_default();
+        sp.no_fallback = 1;
+        sp.block = 4;
+        sp.override = replay_propose;
+        sp.override_user = &bad;
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = 8;
+        df_gen_result got;
+        df_error err = {0};
+        assert_int_equal(df_generate_speculative(g_sess, g_ds, g_prompts[0], g_plen[0], &gp, &sp, NULL, NULL, &got, &err),
+                         DF_ERR_INVALID_ARG);
+        assert_non_null(strstr(err.msg, "outside"));
+        df_gen_result_free(&got);
+    }
+    be->ops = own;
 }
 
 /* Every partial acceptance length 0..B-2 for B = 16 and 8 on a few prompts. */
@@ -523,6 +582,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
         cmocka_unit_test(test_each_partial_length),
+        cmocka_unit_test(test_ids_through_host),
         cmocka_unit_test(test_stops_inside_block),
         cmocka_unit_test(test_window_and_adaptive),
         cmocka_unit_test(test_dflash2_exact),

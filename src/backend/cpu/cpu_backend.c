@@ -599,6 +599,13 @@ static void cpu_argmax(df_backend *be, const float *x, int rows, int width, int3
     for (int r = 0; r < rows; r++) out[r] = df_argmax(x + (size_t)r * (size_t)width, width);
 }
 
+/* backend.h `argmax_dev` (backend memory is host memory here). */
+static void cpu_argmax_dev(df_backend *be, const float *x, int rows, int width, int32_t *out, int32_t bad) {
+    cpu_argmax(be, x, rows, width, out);
+    for (int r = 0; r < rows; r++)
+        if (out[r] < 0) out[r] = bad;
+}
+
 /* ---- construction --------------------------------------------------------------------------- */
 
 static void cpu_destroy(df_backend *be) {
@@ -631,6 +638,8 @@ static const df_backend_ops cpu_ops = {
     .dyn_conv = cpu_dyn_conv,
     .gdn = cpu_gdn,
     .argmax = cpu_argmax,
+    .embed_dev = cpu_embed, /* ids in backend memory are host memory here */
+    .argmax_dev = cpu_argmax_dev,
 };
 
 df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err) {

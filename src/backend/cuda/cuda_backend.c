@@ -104,7 +104,18 @@ typedef struct cuda_backend {
     int32_t *hparams, *dparams; /* pinned host / device, DF_CUDA_MAX_PARAMS ints */
     size_t n_params;
     unsigned char *hstage;      /* pinned staging of host-to-device copies */
+    unsigned char *dstage;      /* their device copy (DF_CUDA_STAGE_BYTES, allocated at the first to_device) */
     size_t n_stage;
+    /* submitted steps (cu_submit): the pinned buffers above are pair pb of hp_buf / hs_buf; a
+     * step launched without waiting leaves its pair to its copies and the next step takes the
+     * other one, once the step that used it last (event pev[]) is done */
+    int32_t *hp_buf[2];
+    unsigned char *hs_buf[2];
+    cudaEvent_t pev[2];
+    int pev_set[2];
+    int pb;
+    int in_flight;              /* steps launched since the last wait */
+    int submit_waits;           /* DFLASH_CUDA_SUBMIT=0: submit waits for the step (experiments) */
     void **dfree_later;         /* buffers to free after the step runs */
     size_t n_dfree, cap_dfree;
     struct gentry *graphs;      /* [DF_CUDA_MAX_GRAPHS] */
@@ -512,12 +523,23 @@ static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
  * Ops do not launch at once: each records commands (a launcher and its arguments) into the
  * current step. A step runs when the host needs a result or a buffer goes away (to_host,
  * argmax, dealloc, sync, destroy): the values that change from step to step (token ids, RoPE
- * positions, the cache length pos0, host data copied to the device) travel in a small parameter
- * block copied to the device first, and kernels read them from there. A step whose commands
+ * positions, the cache length pos0) travel in a small parameter block copied to the device
+ * first, and kernels read them from there; host data for to_device is staged the same way (one
+ * copy of the staging buffer to its device twin at the step's start, then a device-to-device
+ * copy per to_device in the step's order: a host-to-device copy node in the middle of a
+ * captured graph, after kernels with programmatic dependencies, was seen to leave stale data
+ * on replays where the same copy at a graph's start does not). A step whose commands
  * (launchers, pointers, shapes) equal those of a step seen before runs as a replayed CUDA graph
  * (captured on its second occurrence), which removes the per-launch cost of ~1400 kernels per
  * decoded token. Replays run exactly the kernels with exactly the arguments of an eager run:
- * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly. */
+ * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly.
+ *
+ * `submit` launches the recorded step without waiting (the speculative round queues its drafter
+ * pass, then records the verify pass while the drafter runs): the next step stages into the
+ * other of two pinned buffer pairs, and the steps' buffers are freed and their writes forgotten
+ * (step_writes.h) only at the next wait. DFLASH_CUDA_SUBMIT=0 makes submit wait (experiments);
+ * DFLASH_CUDA_IDS_DEV=0 leaves out submit, embed_dev and argmax_dev, so that speculative
+ * decoding takes its ids through the host, each pass awaited (same-binary comparisons). */
 
 #define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
@@ -536,6 +558,7 @@ typedef struct cmd {
 typedef struct gentry {
     uint64_t hash, used;
     size_t n_cmds, n_params, n_stage;
+    int pb;                 /* the pinned buffer pair its copies read */
     cmd *sig;               /* copy of the commands */
     cudaGraphExec_t exec;   /* NULL until the step is seen a second time */
     int no_graph;           /* capture failed: run this step eagerly */
@@ -652,6 +675,8 @@ static int run_cmds(cuda_backend *cb) {
     if (cb->n_params)
         st = (int)cudaMemcpyAsync(cb->dparams, cb->hparams, cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
                                   cb->stream);
+    if (cb->n_stage && st == 0)
+        st = (int)cudaMemcpyAsync(cb->dstage, cb->hstage, cb->n_stage, cudaMemcpyHostToDevice, cb->stream);
     for (size_t i = 0; i < cb->n_cmds && st == 0; i++) {
         if (cb->profile_skip[0] && skip_listed(cb->profile_skip, cb->cmds[i].what)) continue;
         st = cb->cmds[i].fn(cb, cb->cmds[i].args);
@@ -663,8 +688,9 @@ static int run_cmds(cuda_backend *cb) {
     return st;
 }
 
-/* Runs the recorded step (replaying or capturing a graph when it repeats) and waits for it. */
-static void step_run(cuda_backend *cb) {
+/* Launches the recorded step (replaying or capturing a graph when it repeats) without waiting
+ * for it; the command list is empty afterwards, the pinned buffers still in use. */
+static void step_launch(cuda_backend *cb) {
     if (cb->n_cmds || cb->n_params || cb->n_stage) {
         const double t0 = now_ms();
         cb->n_steps++;
@@ -674,7 +700,7 @@ static void step_run(cuda_backend *cb) {
             for (int i = 0; i < DF_CUDA_MAX_GRAPHS; i++) {
                 gentry *g = &cb->graphs[i];
                 if (g->sig && g->hash == key && g->n_cmds == cb->n_cmds && g->n_params == cb->n_params &&
-                    g->n_stage == cb->n_stage && cmds_equal(g->sig, cb->cmds, cb->n_cmds)) {
+                    g->n_stage == cb->n_stage && g->pb == cb->pb && cmds_equal(g->sig, cb->cmds, cb->n_cmds)) {
                     hit = g;
                     break;
                 }
@@ -686,7 +712,7 @@ static void step_run(cuda_backend *cb) {
             st = (int)cudaGraphLaunch(hit->exec, cb->stream);
             cb->n_replays++;
             const double t1 = now_ms(); /* the host times of replayed steps (df_cuda_stats) */
-            if (cb->t_step_end > 0) cb->host_between_ms += t0 - cb->t_step_end;
+            if (cb->t_step_end > 0 && !cb->in_flight) cb->host_between_ms += t0 - cb->t_step_end;
             cb->host_launch_ms += t1 - t0;
         } else if (hit && hit->no_graph) {
             run_cmds(cb);
@@ -725,6 +751,7 @@ static void step_run(cuda_backend *cb) {
                     victim->n_cmds = cb->n_cmds;
                     victim->n_params = cb->n_params;
                     victim->n_stage = cb->n_stage;
+                    victim->pb = cb->pb;
                     hit = victim;
                 }
             }
@@ -732,17 +759,61 @@ static void step_run(cuda_backend *cb) {
         }
         if (hit) hit->used = ++cb->clock;
         if (st && !cb->base.failed) fail(cb, "step: %s", cudaGetErrorString((cudaError_t)st));
+        cb->in_flight++;
     }
-    cudaError_t e = cudaStreamSynchronize(cb->stream);
-    if (e != cudaSuccess && !cb->base.failed) fail(cb, "step: CUDA error: %s", cudaGetErrorString(e));
     cb->n_cmds = 0;
-    df_step_writes_reset(&cb->sw);
     cb->n_params = 0;
     cb->n_stage = 0;
     cb->sig_hash = 0xcbf29ce484222325ULL;
+}
+
+/* Waits for every launched step; then frees the buffers they may have used and forgets their
+ * writes (step_writes.h: the next step's kernels may read before their wait what is done). */
+static void step_wait(cuda_backend *cb) {
+    cudaError_t e = cudaStreamSynchronize(cb->stream);
+    if (e != cudaSuccess && !cb->base.failed) fail(cb, "step: CUDA error: %s", cudaGetErrorString(e));
+    df_step_writes_reset(&cb->sw);
     for (size_t i = 0; i < cb->n_dfree; i++) dfree(cb, cb->dfree_later[i]);
     cb->n_dfree = 0;
+    cb->in_flight = 0;
+    cb->pev_set[0] = cb->pev_set[1] = 0;
+    cb->pb = 0;
+    cb->hparams = cb->hp_buf[0];
+    cb->hstage = cb->hs_buf[0];
     cb->t_step_end = now_ms();
+}
+
+/* Runs the recorded step and waits for it (and for any submitted before it). */
+static void step_run(cuda_backend *cb) {
+    step_launch(cb);
+    step_wait(cb);
+}
+
+/* backend.h `submit`: launches the recorded step without waiting; the next step records into
+ * the other pinned buffer pair, after the step that used that pair last has finished. Kernels
+ * of the next step still treat this step's writes as not done (step_writes.h) until a wait. */
+static void cu_submit(df_backend *be) {
+    cuda_backend *cb = cub(be);
+    if (!cb->n_cmds && !cb->n_params && !cb->n_stage) return;
+    if (cb->submit_waits) { /* DFLASH_CUDA_SUBMIT=0: experiments */
+        step_run(cb);
+        return;
+    }
+    step_launch(cb);
+    if (cudaEventRecord(cb->pev[cb->pb], cb->stream) != cudaSuccess) { /* cannot mark it: wait instead */
+        cudaGetLastError();
+        step_wait(cb);
+        return;
+    }
+    cb->pev_set[cb->pb] = 1;
+    cb->pb ^= 1;
+    if (cb->pev_set[cb->pb]) {
+        cudaError_t e = cudaEventSynchronize(cb->pev[cb->pb]);
+        if (e != cudaSuccess && !cb->base.failed) fail(cb, "submit: CUDA error: %s", cudaGetErrorString(e));
+        cb->pev_set[cb->pb] = 0;
+    }
+    cb->hparams = cb->hp_buf[cb->pb];
+    cb->hstage = cb->hs_buf[cb->pb];
 }
 
 /* ---- memory ops -------------------------------------------------------------------------------- */
@@ -804,7 +875,7 @@ typedef struct a_copy {
 static int run_copy(cuda_backend *cb, const void *args) {
     const a_copy *a = args;
     if (a->kind == 2) return (int)cudaMemsetAsync(a->dst, 0, a->n, cb->stream);
-    if (a->kind == 1) return (int)cudaMemcpyAsync(a->dst, cb->hstage + a->stage, a->n, cudaMemcpyHostToDevice, cb->stream);
+    if (a->kind == 1) return (int)cudaMemcpyAsync(a->dst, cb->dstage + a->stage, a->n, cudaMemcpyDeviceToDevice, cb->stream);
     return (int)cudaMemcpyAsync(a->dst, a->src, a->n, cudaMemcpyDeviceToDevice, cb->stream);
 }
 
@@ -814,6 +885,10 @@ static void cu_to_device(df_backend *be, void *dst, const void *src, size_t n) {
     if (cb->n_stage + n > DF_CUDA_STAGE_BYTES) step_run(cb);
     if (n > DF_CUDA_STAGE_BYTES) { /* too big to stage: a synchronous copy */
         check(cb, (int)cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "to_device");
+        return;
+    }
+    if (!cb->dstage && !(cb->dstage = dmalloc(cb, DF_CUDA_STAGE_BYTES))) {
+        fail(cb, "CUDA backend: out of device memory for the staging buffer");
         return;
     }
     a_copy a;
@@ -911,8 +986,10 @@ static int run_embed(cuda_backend *cb, const void *args) {
                      a->signs, a->hb, a->hscale, a->ids, a->M, a->out);
 }
 
-static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out) {
-    cuda_backend *cb = cub(be);
+/* embed and embed_dev: the ids from the host (through the parameter block) or from device
+ * memory (d_ids). */
+static void embed_rows(cuda_backend *cb, const df_linear *E, const int32_t *ids, const int32_t *d_ids, int M,
+                       float *out) {
     if (E->cols > 12288) {
         fail(cb, "embed: width %d above 12288 is not supported on the CUDA backend", E->cols);
         return;
@@ -921,8 +998,11 @@ static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int
     if (!e) return;
     for (int m0 = 0; m0 < M; m0 += DFK_MAX_ROWS) {
         const int mm = M - m0 < DFK_MAX_ROWS ? M - m0 : DFK_MAX_ROWS;
-        const size_t off = params(cb, DFK_MAX_ROWS);
-        for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < mm ? ids[m0 + m] : 0;
+        size_t off = 0;
+        if (!d_ids) {
+            off = params(cb, DFK_MAX_ROWS);
+            for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < mm ? ids[m0 + m] : 0;
+        }
         a_embed a;
         memset(&a, 0, sizeof a);
         a.codes = E->bits > 0 ? e->d_w : NULL;
@@ -930,7 +1010,7 @@ static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int
         a.biases = e->d_b;
         a.dense = E->bits > 0 ? NULL : e->d_w;
         a.signs = e->d_signs;
-        a.ids = cb->dparams + off;
+        a.ids = d_ids ? d_ids + m0 : cb->dparams + off;
         a.out = out + (size_t)m0 * (size_t)E->cols;
         a.hscale = hadamard_scale(E->hadamard_block);
         a.sb_bf16 = E->sdtype == DF_DTYPE_BF16;
@@ -943,6 +1023,15 @@ static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int
         a.M = mm;
         record(cb, run_embed, "embed", &a, sizeof a);
     }
+}
+
+static void cu_embed(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out) {
+    embed_rows(cub(be), E, ids, NULL, M, out);
+}
+
+/* backend.h `embed_dev`. */
+static void cu_embed_dev(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out) {
+    embed_rows(cub(be), E, NULL, ids, M, out);
 }
 
 /* Columns one prep block handles: a multiple of hb and gs dividing cols, up to 1024 (or hb). */
@@ -1789,13 +1878,28 @@ static void cu_dyn_conv(df_backend *be, const float *x, const float *dyn, int dy
 typedef struct a_argmax {
     const float *x;
     int32_t *out;
-    int rows, width;
+    int rows, width, bad;
 } a_argmax;
 
 static int run_argmax(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_argmax *a = args;
-    return dfk_argmax(a->x, a->rows, a->width, a->out);
+    return dfk_argmax(a->x, a->rows, a->width, a->out, a->bad);
+}
+
+/* backend.h `argmax_dev`. */
+static void cu_argmax_dev(df_backend *be, const float *x, int rows, int width, int32_t *out, int32_t bad) {
+    cuda_backend *cb = cub(be);
+    for (int r0 = 0; r0 < rows; r0 += DFK_MAX_ROWS) {
+        a_argmax a;
+        memset(&a, 0, sizeof a);
+        a.x = x + (size_t)r0 * (size_t)width;
+        a.out = out + r0;
+        a.rows = rows - r0 < DFK_MAX_ROWS ? rows - r0 : DFK_MAX_ROWS;
+        a.width = width;
+        a.bad = bad;
+        record(cb, run_argmax, "argmax", &a, sizeof a);
+    }
 }
 
 static void cu_argmax(df_backend *be, const float *x, int rows, int width, int32_t *out) {
@@ -1808,6 +1912,7 @@ static void cu_argmax(df_backend *be, const float *x, int rows, int width, int32
         a.out = cb->ids;
         a.rows = n;
         a.width = width;
+        a.bad = -1;
         record(cb, run_argmax, "argmax", &a, sizeof a);
         step_run(cb);
         if (!check(cb, (int)cudaMemcpy(out + r0, cb->ids, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost),
@@ -1833,7 +1938,8 @@ static void cu_destroy(df_backend *be) {
         free(cb->w[i]);
     }
     free(cb->w);
-    void *bufs[] = {cb->xf, cb->xs, cb->xb, cb->part, cb->conv_out, cb->ids, cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf};
+    void *bufs[] = {cb->xf,      cb->xs,   cb->xb,   cb->part, cb->conv_out, cb->ids,
+                    cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf, cb->dstage};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
     for (int i = 0; i < DFK_QMAX; i++) {
         dfree(cb, cb->qx[i]);
@@ -1846,37 +1952,53 @@ static void cu_destroy(df_backend *be) {
     free(cb->a);
     free(cb->cmds);
     free(cb->dfree_later);
-    if (cb->hparams) cudaFreeHost(cb->hparams);
-    if (cb->hstage) cudaFreeHost(cb->hstage);
+    for (int i = 0; i < 2; i++) {
+        if (cb->hp_buf[i]) cudaFreeHost(cb->hp_buf[i]);
+        if (cb->hs_buf[i]) cudaFreeHost(cb->hs_buf[i]);
+        if (cb->pev[i]) cudaEventDestroy(cb->pev[i]);
+    }
     if (cb->stream) cudaStreamDestroy(cb->stream);
     free(cb);
 }
 
-static const df_backend_ops cuda_ops = {
-    .name = "cuda",
-    .destroy = cu_destroy,
-    .alloc = cu_alloc,
-    .dealloc = cu_dealloc,
-    .to_device = cu_to_device,
-    .to_host = cu_to_host,
-    .copy = cu_copy,
-    .copy_rows = cu_copy_rows,
-    .zero = cu_zero,
-    .host_const = cu_host_const,
-    .embed = cu_embed,
-    .linear = cu_linear,
-    .rmsnorm = cu_rmsnorm,
-    .add = cu_add,
-    .swiglu = cu_swiglu,
-    .attention = cu_attention,
-    .kv_append = cu_kv_append,
-    .dyn_conv = cu_dyn_conv,
-    .gdn = cu_gdn,
-    .argmax = cu_argmax,
-    .linears = cu_linears,
-    .linear_add = cu_linear_add,
-    .gdn_to = cu_gdn_to,
+/* the ops of both tables below */
+#define CUDA_OPS_COMMON \
+    .name = "cuda", \
+    .destroy = cu_destroy, \
+    .alloc = cu_alloc, \
+    .dealloc = cu_dealloc, \
+    .to_device = cu_to_device, \
+    .to_host = cu_to_host, \
+    .copy = cu_copy, \
+    .copy_rows = cu_copy_rows, \
+    .zero = cu_zero, \
+    .host_const = cu_host_const, \
+    .embed = cu_embed, \
+    .linear = cu_linear, \
+    .rmsnorm = cu_rmsnorm, \
+    .add = cu_add, \
+    .swiglu = cu_swiglu, \
+    .attention = cu_attention, \
+    .kv_append = cu_kv_append, \
+    .dyn_conv = cu_dyn_conv, \
+    .gdn = cu_gdn, \
+    .argmax = cu_argmax, \
+    .linears = cu_linears, \
+    .linear_add = cu_linear_add, \
+    .gdn_to = cu_gdn_to, \
     .gdn_states = cu_gdn_states,
+
+static const df_backend_ops cuda_ops = {
+    CUDA_OPS_COMMON
+    .embed_dev = cu_embed_dev,
+    .argmax_dev = cu_argmax_dev,
+    .submit = cu_submit,
+};
+
+/* DFLASH_CUDA_IDS_DEV=0 (experiments: the speculative round's ids through the host, each pass
+ * awaited, for same-binary comparisons) */
+static const df_backend_ops cuda_ops_host_ids = {
+    CUDA_OPS_COMMON
 };
 
 int df_cuda_available(void) {
@@ -1904,7 +2026,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
                             cudaGetErrorString(ce));
     cuda_backend *cb = calloc(1, sizeof *cb);
     if (!cb) return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
-    cb->base.ops = &cuda_ops;
+    const char *sbw = getenv("DFLASH_CUDA_SUBMIT");
+    cb->submit_waits = sbw && strcmp(sbw, "0") == 0;
+    const char *idd = getenv("DFLASH_CUDA_IDS_DEV");
+    cb->base.ops = idd && strcmp(idd, "0") == 0 ? &cuda_ops_host_ids : &cuda_ops;
     cb->base.n_threads = 1;
     df_step_writes_init(&cb->sw);
     const char *lin = getenv("DFLASH_CUDA_LINEAR");
@@ -1986,14 +2111,20 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->sig_hash = 0xcbf29ce484222325ULL;
     if (!w_grow(cb) || !a_grow(cb) || !(cb->ids = dmalloc(cb, DFK_MAX_ROWS * sizeof(int32_t))) ||
         !(cb->dparams = dmalloc(cb, DF_CUDA_MAX_PARAMS * sizeof(int32_t))) ||
-        cudaMallocHost((void **)&cb->hparams, DF_CUDA_MAX_PARAMS * sizeof(int32_t)) != cudaSuccess ||
-        cudaMallocHost((void **)&cb->hstage, DF_CUDA_STAGE_BYTES) != cudaSuccess ||
+        cudaMallocHost((void **)&cb->hp_buf[0], DF_CUDA_MAX_PARAMS * sizeof(int32_t)) != cudaSuccess ||
+        cudaMallocHost((void **)&cb->hp_buf[1], DF_CUDA_MAX_PARAMS * sizeof(int32_t)) != cudaSuccess ||
+        cudaMallocHost((void **)&cb->hs_buf[0], DF_CUDA_STAGE_BYTES) != cudaSuccess ||
+        cudaMallocHost((void **)&cb->hs_buf[1], DF_CUDA_STAGE_BYTES) != cudaSuccess ||
+        cudaEventCreateWithFlags(&cb->pev[0], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&cb->pev[1], cudaEventDisableTiming) != cudaSuccess ||
         !(cb->graphs = calloc(DF_CUDA_MAX_GRAPHS, sizeof *cb->graphs)) ||
         cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess) {
         cudaGetLastError();
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
     }
+    cb->hparams = cb->hp_buf[0];
+    cb->hstage = cb->hs_buf[0];
     /* experiments: the kernel timeline of the process's last steps, written to this file when
      * the backend is destroyed (cuda_trace.cuh; tools/trace_report.py reads it) */
     const char *trace = getenv("DFLASH_CUDA_TRACE");

@@ -1085,18 +1085,18 @@ static __device__ void am_block(const float *xr, int lo, int hi, int step, float
     am_merge(bv, bi, tid, n);
 }
 
-/* The id of a merged row: -1 when its maximum is not finite (a NaN in the row, or an infinite
- * maximum), as df_argmax. */
-static __device__ int32_t am_result(float v, int i) { return i < 0 ? 0 : isfinite(v) ? i : -1; }
+/* The id of a merged row: `bad` (df_argmax: -1) when its maximum is not finite (a NaN in the
+ * row, or an infinite maximum). */
+static __device__ int32_t am_result(float v, int i, int32_t bad) { return i < 0 ? 0 : isfinite(v) ? i : bad; }
 
-__global__ void k_argmax(const float *x, int width, int32_t *out) {
+__global__ void k_argmax(const float *x, int width, int32_t *out, int32_t bad) {
     K_TR_ENTRY();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     const float *xr = x + (size_t)blockIdx.x * (size_t)width;
     const int tid = threadIdx.x;
     am_block(xr, tid, width, (int)blockDim.x, bv, bi, tid, (int)blockDim.x);
-    if (tid == 0) out[blockIdx.x] = am_result(bv[0], bi[0]);
+    if (tid == 0) out[blockIdx.x] = am_result(bv[0], bi[0], bad);
 }
 
 /* Two-stage argmax for up to DFK_MAX_ROWS rows: AM_PARTS blocks per row each take a contiguous
@@ -1122,7 +1122,7 @@ __global__ void __launch_bounds__(256) k_argmax_part(const float *x, int width) 
     }
 }
 
-__global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out) {
+__global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out, int32_t bad) {
     K_TR_ENTRY();
     __shared__ float bv[AM_PARTS];
     __shared__ int bi[AM_PARTS];
@@ -1131,16 +1131,16 @@ __global__ void __launch_bounds__(AM_PARTS) k_argmax_merge(int32_t *out) {
     bi[tid] = g_am_i[row * AM_PARTS + tid];
     __syncthreads();
     am_merge(bv, bi, tid, AM_PARTS);
-    if (tid == 0) out[row] = am_result(bv[0], bi[0]);
+    if (tid == 0) out[row] = am_result(bv[0], bi[0], bad);
 }
 
-extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out) {
+extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out, int32_t bad) {
     if (rows <= DFK_MAX_ROWS && width >= 64 * AM_PARTS) {
         k_argmax_part<<<dim3(AM_PARTS, (unsigned)rows), 256, 0, g_stream>>>(x, width);
-        k_argmax_merge<<<(unsigned)rows, AM_PARTS, 0, g_stream>>>(out);
+        k_argmax_merge<<<(unsigned)rows, AM_PARTS, 0, g_stream>>>(out, bad);
         return launch_status();
     }
-    k_argmax<<<(unsigned)rows, 1024, 0, g_stream>>>(x, width, out);
+    k_argmax<<<(unsigned)rows, 1024, 0, g_stream>>>(x, width, out, bad);
     return launch_status();
 }
 

@@ -248,9 +248,9 @@ int dfk_rmsnorm(const float *x, const float *w, int rows, int width, float eps, 
 int dfk_add(float *y, const float *x, size_t n);
 int dfk_swiglu(const float *gate, const float *up, size_t n, float *out);
 
-/* out[r] = argmax of x[r, 0..width) (lowest index on ties; -1 when the row holds a NaN or its
- * maximum is infinite) into out (device int32 [rows]). */
-int dfk_argmax(const float *x, int rows, int width, int32_t *out);
+/* out[r] = argmax of x[r, 0..width) (lowest index on ties; `bad` when the row holds a NaN or its
+ * maximum is infinite: -1 for df_argmax's rule) into out (device int32 [rows]). */
+int dfk_argmax(const float *x, int rows, int width, int32_t *out, int32_t bad);
 
 /* ---- attention ------------------------------------------------------------------------------ */
 
