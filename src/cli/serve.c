@@ -146,6 +146,8 @@ int cmd_serve(int argc, char **argv) {
     if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0)
         return cli_usage_error(&cmd, "--device must be cpu or cuda");
     if (cli_check_draft_options(&cmd, drafter, no_draft, &spec, draft_quant)) return CLI_EXIT_USAGE;
+    if (ctx_size == 1) /* a request needs a prompt token and a position for what it generates */
+        return cli_usage_error(&cmd, "--ctx-size must be 0 (the model's context) or from 2 to 32768 (got 1)");
 #ifndef DFLASH_WITH_SERVER
     (void)model, (void)host, (void)model_id, (void)api_key, (void)port, (void)threads, (void)ctx_size;
     (void)max_tokens, (void)max_body, (void)max_header, (void)queue, (void)top_k, (void)thinking, (void)window;

@@ -111,7 +111,21 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
                           "num_key_value_heads, intermediate_size and dflash_config.mask_token_id are required integers");
         goto done;
     }
-    if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->n_heads ? c->hidden_size / c->n_heads : 0;
+    const struct {
+        const char *key;
+        int v;
+    } sizes[] = {{"hidden_size", c->hidden_size},
+                 {"num_hidden_layers", c->n_layers},
+                 {"num_attention_heads", c->n_heads},
+                 {"num_key_value_heads", c->n_kv_heads},
+                 {"intermediate_size", c->intermediate_size}};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].v < 1) {
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s must be an integer from 1 to %d (got %s)",
+                              sizes[i].key, INT_MAX, sizes[i].v == INT_MIN ? "a larger one" : "less than 1");
+            goto done;
+        }
+    if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->hidden_size / c->n_heads;
     if (!json_int(root, "vocab_size", &c->vocab_size)) {
         c->vocab_size = 0;
     } else if (c->vocab_size < 1) { /* given: checked against the target's, so never taken as absent */
@@ -132,9 +146,15 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
         json_t *obj;
         const char *key;
         int integer;
-    } typed[] = {{root, "block_size", 1}, {dc, "block_size", 1}, {root, "rms_norm_eps", 0}, {root, "rope_theta", 0},
-                 {root, "head_dim", 1}, {root, "vocab_size", 1}, {root, "num_target_layers", 1},
-                 {dc, "num_target_layers", 1}};
+    } typed[] = {{root, "block_size", 1},           {dc, "block_size", 1},
+                 {root, "rms_norm_eps", 0},         {root, "rope_theta", 0},
+                 {root, "head_dim", 1},             {root, "vocab_size", 1},
+                 {root, "num_target_layers", 1},    {dc, "num_target_layers", 1},
+                 {root, "sliding_window", 1},       {dc, "conv_kernel_size", 1},
+                 {dc, "conv_group_size", 1},        {dc, "selector_rank", 1},
+                 {dc, "selector_top_k", 1},         {dc, "output_multiplier", 0},
+                 {dc, "final_logit_softcapping", 0}, {root, "final_logit_softcapping", 0},
+                 {dc, "input_embedding_scale", 0}};
     for (size_t i = 0; i < sizeof typed / sizeof typed[0]; i++) {
         json_t *v = typed[i].obj ? json_object_get(typed[i].obj, typed[i].key) : NULL;
         if (v && !json_is_null(v) && !(typed[i].integer ? json_is_integer(v) : json_is_number(v))) {
@@ -174,26 +194,52 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     c->input_embedding_scale = 1.0f;
     if (c->version == 2) {
         json_int(dc, "block_size", &c->block_size);
-        json_int(dc, "conv_kernel_size", &c->conv_kernel);
-        json_int(dc, "conv_group_size", &c->conv_group_size);
-        json_int(dc, "selector_rank", &c->selector_rank);
-        json_int(dc, "selector_top_k", &c->selector_top_k);
+        /* the convolutions and the selector are optional (absent: none); given, they are used */
+        const struct {
+            const char *key;
+            int *v, max;
+        } opt[] = {{"conv_kernel_size", &c->conv_kernel, 16},
+                   {"conv_group_size", &c->conv_group_size, INT_MAX},
+                   {"selector_rank", &c->selector_rank, INT_MAX},
+                   {"selector_top_k", &c->selector_top_k, 64}};
+        for (size_t i = 0; i < sizeof opt / sizeof opt[0]; i++)
+            if (json_int(dc, opt[i].key, opt[i].v) && (*opt[i].v < 1 || *opt[i].v > opt[i].max)) {
+                st = df_error_set(err, DF_ERR_FORMAT,
+                                  "drafter config.json: dflash_config.%s must be an integer from 1 to %d (leave it "
+                                  "out for none)",
+                                  opt[i].key, opt[i].max);
+                goto done;
+            }
         json_num(dc, "output_multiplier", &c->output_multiplier);
         if (!json_num(dc, "final_logit_softcapping", &c->final_logit_softcapping))
             json_num(root, "final_logit_softcapping", &c->final_logit_softcapping);
         json_num(dc, "input_embedding_scale", &c->input_embedding_scale);
+        if (!(c->output_multiplier > 0.0f) || isinf(c->output_multiplier) || !(c->input_embedding_scale > 0.0f) ||
+            isinf(c->input_embedding_scale)) {
+            st = df_error_set(err, DF_ERR_FORMAT,
+                              "drafter config.json: dflash_config.output_multiplier and input_embedding_scale must be "
+                              "positive finite numbers (got %g, %g)",
+                              (double)c->output_multiplier, (double)c->input_embedding_scale);
+            goto done;
+        }
         if (c->final_logit_softcapping < 0.0f) {
             st = df_error_set(err, DF_ERR_FORMAT,
                               "drafter config.json: final_logit_softcapping %g must be positive (0 or absent: none)",
                               (double)c->final_logit_softcapping);
             goto done;
         }
-        if (c->conv_kernel < 0 || c->conv_kernel > 16 || (c->conv_kernel > 0 && (c->conv_group_size <= 0 ||
-            c->hidden_size % c->conv_group_size != 0)) || c->selector_rank < 0 || c->selector_top_k < 0 ||
-            c->selector_top_k > 64) {
-            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: dflash_config conv_kernel_size %d, "
-                              "conv_group_size %d, selector_top_k %d are not usable", c->conv_kernel,
-                              c->conv_group_size, c->selector_top_k);
+        if (c->conv_kernel > 0 && (c->conv_group_size <= 0 || c->hidden_size % c->conv_group_size != 0)) {
+            st = df_error_set(err, DF_ERR_FORMAT,
+                              "drafter config.json: conv_kernel_size %d needs a dflash_config.conv_group_size that "
+                              "divides hidden_size %d (got %s)",
+                              c->conv_kernel, c->hidden_size, c->conv_group_size > 0 ? "one that does not" : "none");
+            goto done;
+        }
+        if ((c->selector_rank > 0) != (c->selector_top_k > 0)) {
+            st = df_error_set(err, DF_ERR_FORMAT,
+                              "drafter config.json: a candidate selector needs both dflash_config.selector_rank and "
+                              "selector_top_k (got %d, %d)",
+                              c->selector_rank, c->selector_top_k);
             goto done;
         }
     }
@@ -204,6 +250,12 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
     }
     json_t *lt = json_object_get(root, "layer_types");
     json_t *is_causal = json_object_get(root, "is_causal");
+    if (lt && !json_is_null(lt) && (!json_is_array(lt) || json_array_size(lt) != (size_t)c->n_layers)) {
+        st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: layer_types must be a list of %d entries, one per "
+                                              "layer (got %s)",
+                          c->n_layers, json_is_array(lt) ? "another length" : "no list");
+        goto done;
+    }
     json_int(root, "sliding_window", &c->sliding_window);
     for (int l = 0; l < c->n_layers && c->n_layers > 0; l++) {
         const char *t = json_string_value(json_array_get(lt, (size_t)l));
