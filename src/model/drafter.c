@@ -121,8 +121,8 @@ static df_status parse_config(df_drafter_config *c, const char *dir, df_error *e
                  {"intermediate_size", c->intermediate_size}};
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
         if (sizes[i].v < 1) {
-            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s must be an integer from 1 to %d (got %s)",
-                              sizes[i].key, INT_MAX, sizes[i].v == INT_MIN ? "a larger one" : "less than 1");
+            st = df_error_set(err, DF_ERR_FORMAT, "drafter config.json: %s must be an integer from 1 to %d",
+                              sizes[i].key, INT_MAX);
             goto done;
         }
     if (!json_int(root, "head_dim", &c->head_dim)) c->head_dim = c->hidden_size / c->n_heads;
