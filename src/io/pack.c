@@ -450,7 +450,10 @@ static df_status bind_all(binder *b) {
         if (!b->hman[i].used)
             return df_error_set(b->err, DF_ERR_MODEL,
                                 "config.json modules entry %s names no linear module of the "
-                                "architecture", b->hman[i].path);
+                                "architecture%s", b->hman[i].path,
+                                c->tie_word_embeddings && strstr(b->hman[i].path, "lm_head")
+                                    ? " (tie_word_embeddings is true: the embedding serves as lm_head)"
+                                    : "");
     size_t n = df_tensors_count(b->set);
     for (size_t i = 0; i < n; i++) {
         const df_tensor *t = df_tensors_at(b->set, i);

@@ -988,3 +988,17 @@ def test_tokenizer_errors_name_the_file_once(tmp_path):
     p = run_cli("tokenize", "--tokenizer", str(tmp_path), "--text", "hi")
     assert p.returncode == 1
     assert "is a folder" in p.stderr, p.stderr
+
+
+def test_tied_embeddings_on_an_untied_pack_name_the_flag(tmp_path):
+    """tie_word_embeddings: true on a pack with its own lm_head: the error says why the lm_head is
+    not expected (whichever of its entries is found first)."""
+    demo = model_dir() or str(SOURCE_DIR / "models" / "demo")
+    pack = tmp_path / "pack"
+    shutil.copytree(demo, pack, ignore=shutil.ignore_patterns("reference*"))
+    cfg = json.loads((pack / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    cfg.get("text_config", {}).pop("tie_word_embeddings", None)
+    (pack / "config.json").write_text(json.dumps(cfg))
+    p = run_cli("generate", "--model", str(pack), "--chat", "hi", "--max-tokens", "2")
+    assert p.returncode == 1 and "lm_head" in p.stderr and "tie_word_embeddings is true" in p.stderr, p.stderr
