@@ -9,7 +9,8 @@
 # ab (plain decoding of VARIANTS alternating; a variant with BASE=1 runs the baseline binary),
 # short (final's bench at block 4 only, 3 identity prompts), pdlgap (bench_pdl_gap), e2e (the
 # end-to-end tests against the server build on the GPU), serve27 (tools/gpu_serve_check.py on
-# the 27B-shaped pack). Library packages come from
+# the 27B-shaped pack), gen (`dflash generate` greedy and sampled, VARIANTS alternating). Library
+# packages come from
 # ../.gpu-deps (Debian .debs, unpacked into /tmp/pfx); binaries from prebuilt/ (built on the CPU
 # machine with nvcc 13.0), else built here. Logs go to $OUT.
 set -u
@@ -199,6 +200,19 @@ for s in $STEPS; do
         # BASE=1: the baseline binary (prebuilt/dflash-gpu-base, from tools/gpu_sync.sh BASE_BUILD)
         exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
         env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen ${AB_GEN:-64} --no-verify-curve 2>&1 | grep -E "plain decode|host time|commands recorded" | tee -a "$OUT/summary.txt"
+      done
+    done ;;
+  gen)
+    # the product's plain loop (`dflash generate`, no drafter) greedy and sampled, for VARIANTS
+    # alternating AB_ROUNDS times (BASE=1: the baseline binary)
+    for r in $(seq 1 ${AB_ROUNDS:-2}); do
+      for v in ${VARIANTS:-X=1}; do
+        exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
+        for samp in "--temperature 0" "--temperature 1 --top-p 0.95 --top-k 0 --seed 1" "--temperature 0.7 --top-k 20 --top-p 1 --seed 1"; do
+          printf -- "-- %s round %s, %s: " "$v" "$r" "$samp" | tee -a "$OUT/summary.txt"
+          env ${v//,/ } timeout 100 "$exe" generate --device cuda --model /tmp/p27t --prompt "The history of the printing press begins" \
+            --max-tokens ${AB_GEN:-128} $samp 2>&1 >/dev/null | grep -E "generated" | tee -a "$OUT/summary.txt"
+        done
       done
     done ;;
   tune)

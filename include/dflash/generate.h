@@ -76,6 +76,12 @@ typedef struct df_token_info {
 /* Fills info for token id from logits[n_vocab] with the n_top best (0..DF_MAX_TOP_LOGPROBS). */
 void df_token_info_compute(df_token_info *info, const float *logits, int n_vocab, int32_t id, int n_top);
 
+/* Histograms of the sampler's candidate selection (sampler.c). */
+typedef struct df_sampler_work {
+    uint32_t count[2048];
+    double mass[2048];
+} df_sampler_work;
+
 /* A seeded sampler (xoshiro256** state). */
 typedef struct df_sampler {
     df_sampling_params p;
@@ -83,6 +89,7 @@ typedef struct df_sampler {
     /* scratch, grown on demand */
     float *probs;
     int32_t *idx;
+    df_sampler_work *work;
     int cap;
 } df_sampler;
 
@@ -90,7 +97,11 @@ typedef struct df_sampler {
 void df_sampler_init(df_sampler *s, const df_sampling_params *p);
 void df_sampler_free(df_sampler *s);
 /* Picks a token from logits[n_vocab] (logits are not modified). Greedy when temperature
- * is 0. Order of filters: top-k, then softmax with temperature, then top-p, then min-p.
+ * is 0. Order of filters: top-k (the k best by logit, lower id first on ties), then softmax
+ * with temperature over them, then top-p (the fewest best candidates whose probabilities sum to
+ * at least top_p of theirs), then min-p (those with at least min_p times the best one's
+ * probability). O(n_vocab) time, plus a sort of the few candidates that share a 22-bit
+ * prefix of their logit with the last one each filter keeps.
  * Returns -1 when the logits are not usable (a NaN among them, or an infinite maximum: a
  * broken pack or computation), as df_argmax. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);

@@ -594,6 +594,30 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                bytes / 1e9, wb / 1e9, sb / 1e9, kvb / 1e9, bw, floor_ms, 1000.0 / floor_ms, 100.0 * floor_ms / step_ms);
     }
 
+    /* the product's plain loop (df_generate, as `generate` and the server run it): greedy, and
+     * sampled, whose logits come to the host each step */
+    {
+        const char *label[3] = {"greedy", "temperature 1, top-p 0.95", "temperature 0.7, top-k 20"};
+        printf("generate loop at context %d (df_generate: prefill, then %d tokens):", o.ctx, o.gen);
+        for (int k = 0; k < 3; k++) {
+            df_gen_params gp = df_gen_params_default();
+            gp.max_tokens = o.gen;
+            if (k > 0) {
+                gp.sampling.temperature = k == 1 ? 1.0f : 0.7f;
+                gp.sampling.top_p = k == 1 ? 0.95f : 1.0f;
+                gp.sampling.top_k = k == 2 ? 20 : 0;
+                gp.sampling.seed = 1;
+                gp.sampling.has_seed = 1;
+            }
+            df_gen_result res;
+            if (df_generate(s, prompt, o.ctx, &gp, NULL, NULL, &res, &err) != DF_OK) goto out;
+            printf("%s %s %.1f tok/s (%d tokens)", k ? ";" : "", label[k],
+                   df_decode_tokens_per_second(res.n_ids - 1, res.decode_ms), res.n_ids);
+            df_gen_result_free(&res);
+        }
+        printf("\n");
+    }
+
     /* verify cost curve */
     if (o.verify_curve) {
         double *smp = malloc((size_t)o.repeats * sizeof(double)), base = 0;

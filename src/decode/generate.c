@@ -88,10 +88,21 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     int cap_tokens = s->max_ctx - n_prompt;
     int max_tokens = params->max_tokens > 0 && params->max_tokens < cap_tokens ? params->max_tokens : cap_tokens;
     const int processors = df_sampling_has_processors(&params->sampling);
+    /* greedy without logprobs needs no logits on the host: each step's token comes from the
+     * backend's argmax (the same token as df_argmax of the logits: backend.h), 4 bytes read
+     * back instead of the vocabulary's logits */
+    const int backend_argmax = !(params->sampling.temperature > 0.0f) && !processors && !params->logprobs;
+    int32_t next = -1; /* backend_argmax: the token of the last decode step */
+    int have_next = 0;
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
-        if (processors)
-            df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
-        int32_t id = df_sampler_sample(&sm, logits, V);
+        int32_t id;
+        if (have_next) {
+            id = next;
+        } else {
+            if (processors)
+                df_sampling_apply_processors(&params->sampling, logits, V, prompt, n_prompt, out.ids, out.n_ids);
+            id = df_sampler_sample(&sm, logits, V);
+        }
         if (id < 0) {
             st = df_gen_non_finite(err, out.n_ids);
             break;
@@ -111,7 +122,12 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
             out.finish = DF_FINISH_LENGTH;
             break;
         }
-        st = df_session_decode(s, id, logits, err);
+        if (backend_argmax) {
+            st = df_target_forward_argmax(s, &id, 1, &next, err);
+            have_next = 1;
+        } else {
+            st = df_session_decode(s, id, logits, err);
+        }
     }
     res->decode_ms = df_now_ms() - t1;
     df_textout_finish(&out, res);

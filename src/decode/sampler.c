@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "dflash/generate.h"
 
@@ -124,8 +127,10 @@ void df_sampler_init(df_sampler *s, const df_sampling_params *p) {
 void df_sampler_free(df_sampler *s) {
     free(s->probs);
     free(s->idx);
+    free(s->work);
     s->probs = NULL;
     s->idx = NULL;
+    s->work = NULL;
     s->cap = 0;
 }
 
@@ -145,7 +150,7 @@ int32_t df_argmax(const float *logits, int n) {
     return nan || !isfinite(mx) ? -1 : best;
 }
 
-/* Orders candidate ids by logit, highest first; lower id first on ties. */
+/* Orders candidate ids by logit, highest first; lower id first on ties (the rank order). */
 static int cmp_desc(const void *a, const void *b, void *ctx) {
     const float *logits = ctx;
     int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
@@ -155,80 +160,230 @@ static int cmp_desc(const void *a, const void *b, void *ctx) {
     return (i > j) - (i < j);
 }
 
-/* Keeps the k best ids of idx[0..n) in idx[0..k), sorted (a bounded insertion pass). */
+/* The k best ids of logits[0..n) into idx[0..k), in rank order (cmp_desc): a bounded insertion
+ * pass, for small k. */
 static int select_top_k(const float *logits, int32_t *idx, int n, int k) {
     int len = 0;
     for (int i = 0; i < n; i++) {
-        int32_t id = idx[i];
-        float v = logits[id];
+        const float v = logits[i];
         if (len == k && !(v > logits[idx[len - 1]])) continue;
         int pos = len < k ? len++ : k - 1;
         while (pos > 0 && v > logits[idx[pos - 1]]) {
             idx[pos] = idx[pos - 1];
             pos--;
         }
-        idx[pos] = id;
+        idx[pos] = i;
     }
     return len;
+}
+
+/* The bits of a non-NaN float as an unsigned key in the order of the values (-0 and +0 apart,
+ * -0 below: the same logit either way for the rank order, which the final sort settles). */
+static inline uint32_t order_key(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Radix selection (two levels of 2048 buckets on the logits' order keys, then a sort of the
+ * last crossing bucket): of the candidates (idx[0..n), or every id 0..n-1 when all is set, idx
+ * then only an output of n entries), puts at the front of idx the smallest set of
+ * highest-ranked ones (rank: cmp_desc) that holds `want` candidates (p == NULL) or whose
+ * probabilities p[id] (unnormalised) sum to at least `want` (sums in double); returns its size
+ * (all n, in idx, when the candidates never reach `want`). The whole buckets taken come first,
+ * in a fixed order, then the crossing bucket's candidates in rank order. O(n) plus the sort of
+ * the candidates that share the crossing bucket's top 22 key bits. */
+static int select_prefix(const float *logits, const float *p, int32_t *idx, int n, int all, double want,
+                         df_sampler_work *w) {
+    int lo = 0, hi = n; /* idx[0..lo): taken; idx[lo..hi): undecided */
+    double got = 0.0;
+    for (int level = 0; level < 2; level++) {
+        const int shift = level == 0 ? 21 : 10;
+        memset(w->count, 0, sizeof w->count);
+        if (p) memset(w->mass, 0, sizeof w->mass);
+        for (int i = lo; i < hi; i++) {
+            const int32_t id = all ? i : idx[i];
+            const int k = (int)((order_key(logits[id]) >> shift) & 2047u);
+            w->count[k]++;
+            if (p) w->mass[k] += (double)p[id];
+        }
+        int cross = -1;
+        for (int k = 2047; k >= 0; k--) {
+            const double add = p ? w->mass[k] : (double)w->count[k];
+            if (w->count[k] > 0 && got + add >= want) {
+                cross = k;
+                break;
+            }
+            got += add;
+        }
+        if (cross < 0) { /* the target is never reached: all of them */
+            if (all)
+                for (int i = 0; i < n; i++) idx[i] = i;
+            return hi;
+        }
+        if (all) { /* ids above the crossing bucket to the front, those in it from the back, then joined */
+            int a = 0, c = n;
+            for (int i = 0; i < n; i++) {
+                const int k = (int)((order_key(logits[i]) >> shift) & 2047u);
+                if (k > cross) idx[a++] = i;
+                else if (k == cross) idx[--c] = i;
+            }
+            const int nc = n - c;
+            for (int j = 0; j < nc; j++) idx[a + j] = idx[n - 1 - j]; /* ascending ids again */
+            lo = a;
+            hi = a + nc;
+            all = 0;
+            continue;
+        }
+        /* three-way partition of idx[lo..hi): above the crossing bucket, in it, below */
+        int a = lo, m = lo, b = hi;
+        while (m < b) {
+            const int k = (int)((order_key(logits[idx[m]]) >> shift) & 2047u);
+            int32_t t = idx[m];
+            if (k > cross) {
+                idx[m++] = idx[a];
+                idx[a++] = t;
+            } else if (k == cross) {
+                m++;
+            } else {
+                idx[m] = idx[--b];
+                idx[b] = t;
+            }
+        }
+        lo = a;
+        hi = m;
+    }
+    qsort_r(idx + lo, (size_t)(hi - lo), sizeof *idx, cmp_desc, (void *)logits);
+    for (int i = lo; i < hi; i++) {
+        got += p ? (double)p[idx[i]] : 1.0;
+        if (got >= want) return i + 1;
+    }
+    return hi;
+}
+
+/* e^x for x <= 0 as 2^n · 2^f (n = x·log2(e) rounded, |f| <= 1/2; 2^f by its degree-6 Taylor
+ * polynomial, relative error below 2e-7), 0 below -87 (where e^x leaves the normal floats):
+ * branch-free, so that the loop over a vocabulary vectorizes. */
+static inline float exp_nonpos(float x) {
+    const float tc = fmaxf(x * 1.44269504f, -126.0f);
+    const float n = (tc + 12582912.0f) - 12582912.0f; /* round to nearest (|tc| < 2^22) */
+    const float f = tc - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale, r;
+    memcpy(&scale, &bits, sizeof scale);
+    r = p * scale;
+    uint32_t rb;
+    memcpy(&rb, &r, sizeof rb);
+    rb &= (uint32_t)-(int32_t)(x >= -87.0f); /* 0 below -87 */
+    memcpy(&r, &rb, sizeof r);
+    return r;
+}
+
+/* probs[i] = e^((logits[i] - mx) · inv_t) for i < n; returns their sum (in double, four
+ * interleaved partial sums added in a fixed order). */
+static double softmax_terms(const float *restrict logits, int n, float mx, float inv_t, float *restrict probs) {
+    int j = 0;
+#ifdef __AVX2__
+    /* exp_nonpos eight at a time: the same operations in the same order (no fused multiply-add),
+     * so the same bits */
+    const __m256 vmx = _mm256_set1_ps(mx), vit = _mm256_set1_ps(inv_t), l2e = _mm256_set1_ps(1.44269504f);
+    const __m256 lo = _mm256_set1_ps(-126.0f), magic = _mm256_set1_ps(12582912.0f), cut = _mm256_set1_ps(-87.0f);
+    const float cf[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vmx), vit);
+        const __m256 tc = _mm256_max_ps(_mm256_mul_ps(x, l2e), lo);
+        const __m256 nn = _mm256_sub_ps(_mm256_add_ps(tc, magic), magic);
+        const __m256 f = _mm256_sub_ps(tc, nn);
+        __m256 q = _mm256_set1_ps(cf[0]);
+        for (int k = 1; k < 7; k++) q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(cf[k]));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nn), _mm256_set1_epi32(127)), 23);
+        const __m256 r = _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+        _mm256_storeu_ps(probs + j, _mm256_and_ps(r, _mm256_cmp_ps(x, cut, _CMP_GE_OQ)));
+    }
+#endif
+    for (; j < n; j++) probs[j] = exp_nonpos((logits[j] - mx) * inv_t);
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += probs[i];
+        s1 += probs[i + 1];
+        s2 += probs[i + 2];
+        s3 += probs[i + 3];
+    }
+    for (; i < n; i++) s0 += probs[i];
+    return (s0 + s1) + (s2 + s3);
 }
 
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
     const df_sampling_params *p = &s->p;
     if (!(p->temperature > 0.0f)) return df_argmax(logits, n_vocab);
-    if (s->cap < n_vocab) {
+    if (s->cap < n_vocab || !s->work) {
         float *pr = realloc(s->probs, (size_t)n_vocab * sizeof(float));
         if (pr) s->probs = pr;
         int32_t *ix = realloc(s->idx, (size_t)n_vocab * sizeof(int32_t));
         if (ix) s->idx = ix;
-        if (!pr || !ix) return df_argmax(logits, n_vocab); /* no memory: degrade to greedy */
+        if (!s->work) s->work = malloc(sizeof *s->work);
+        if (!pr || !ix || !s->work) return df_argmax(logits, n_vocab); /* no memory: degrade to greedy */
         s->cap = n_vocab;
     }
     int32_t *idx = s->idx;
-    float *probs = s->probs;
+    float *probs = s->probs; /* indexed by token id */
+    float mx = -INFINITY;
     for (int i = 0; i < n_vocab; i++) {
-        if (isnan(logits[i])) return -1;
-        idx[i] = i;
+        const float v = logits[i];
+        if (isnan(v)) return -1;
+        mx = v > mx ? v : mx;
     }
-    int n = n_vocab;
-    if (p->top_k > 0 && p->top_k < n) {
-        n = select_top_k(logits, idx, n, p->top_k);
-    } else {
-        qsort_r(idx, (size_t)n, sizeof *idx, cmp_desc, logits);
-    }
-    /* softmax with temperature over the candidates (sorted, highest first) */
-    const float mx = logits[idx[0]];
     if (!isfinite(mx)) return -1;
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) {
-        probs[i] = expf((logits[idx[i]] - mx) / p->temperature);
-        sum += probs[i];
+    /* the candidates: idx[0..n), or every id while all is set */
+    int n = n_vocab, all = 1;
+    if (p->top_k > 0 && p->top_k < n) {
+        n = p->top_k <= 64 ? select_top_k(logits, idx, n_vocab, p->top_k)
+                           : select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
+        all = 0;
     }
-    for (int i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
-    if (p->top_p > 0.0f && p->top_p < 1.0f) {
-        double c = 0.0;
-        int keep = n;
+    /* softmax with temperature over the candidates, unnormalised (the best one has 1) */
+    const float inv_t = 1.0f / p->temperature;
+    double sum = 0.0;
+    if (all) {
+        sum = softmax_terms(logits, n_vocab, mx, inv_t, probs);
+    } else {
         for (int i = 0; i < n; i++) {
-            c += probs[i];
-            if (c >= p->top_p) {
-                keep = i + 1;
-                break;
-            }
+            const int32_t id = idx[i];
+            probs[id] = exp_nonpos((logits[id] - mx) * inv_t);
+            sum += probs[id];
+        }
+    }
+    if (p->top_p > 0.0f && p->top_p < 1.0f) {
+        n = select_prefix(logits, probs, idx, n, all, (double)p->top_p * sum, s->work);
+        all = 0;
+    }
+    if (p->min_p > 0.0f) { /* relative to the best candidate's probability, which is 1 here */
+        int keep = 0;
+        for (int i = 0; i < n; i++) {
+            const int32_t id = all ? i : idx[i];
+            if (probs[id] >= p->min_p) idx[keep++] = id;
         }
         n = keep;
+        all = 0;
     }
-    if (p->min_p > 0.0f) {
-        float thr = probs[0] * p->min_p;
-        int keep = 1;
-        while (keep < n && probs[keep] >= thr) keep++;
-        n = keep;
+    double total = sum;
+    if (!all) {
+        total = 0.0;
+        for (int i = 0; i < n; i++) total += probs[idx[i]];
     }
-    double total = 0.0;
-    for (int i = 0; i < n; i++) total += probs[i];
     double r = (double)(xoshiro_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
     double c = 0.0;
     for (int i = 0; i < n; i++) {
-        c += probs[i];
-        if (r < c) return idx[i];
+        c += probs[all ? i : idx[i]];
+        if (r < c) return all ? i : idx[i];
     }
-    return idx[n - 1];
+    return all ? n - 1 : idx[n - 1];
 }

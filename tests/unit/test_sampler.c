@@ -4,6 +4,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dflash/generate.h"
@@ -66,6 +67,163 @@ static void test_seed_reproducible_and_truncation(void **state) {
     df_sampler_free(&s);
 }
 
+/* The filters as plainly defined: every candidate sorted by rank (logit, then id), the top k,
+ * unnormalised probabilities exp((l - max) / T), the shortest rank prefix reaching top_p of
+ * their sum, those with at least min_p of the best's. Marks the kept ids in keep[] and their
+ * probabilities in prob[] (normalised); returns how many. */
+static const float *g_ref_logits;
+static int ref_cmp(const void *a, const void *b) {
+    const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    const float x = g_ref_logits[i], y = g_ref_logits[j];
+    if (x > y) return -1;
+    if (x < y) return 1;
+    return (i > j) - (i < j);
+}
+static int ref_filters(const float *l, int V, const df_sampling_params *p, unsigned char *keep, double *prob) {
+    int32_t *ids = malloc((size_t)V * sizeof *ids);
+    double *pr = malloc((size_t)V * sizeof *pr);
+    for (int i = 0; i < V; i++) ids[i] = i;
+    g_ref_logits = l;
+    qsort(ids, (size_t)V, sizeof *ids, ref_cmp);
+    int n = p->top_k > 0 && p->top_k < V ? p->top_k : V;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        pr[i] = expf((l[ids[i]] - l[ids[0]]) / p->temperature);
+        sum += pr[i];
+    }
+    if (p->top_p > 0 && p->top_p < 1) {
+        double c = 0;
+        for (int i = 0; i < n; i++) {
+            c += pr[i];
+            if (c >= p->top_p * sum) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (p->min_p > 0) {
+        int k = 1;
+        while (k < n && pr[k] >= p->min_p) k++;
+        n = k;
+    }
+    double total = 0;
+    for (int i = 0; i < n; i++) total += pr[i];
+    memset(keep, 0, (size_t)V);
+    for (int i = 0; i < V; i++) prob[i] = 0;
+    for (int i = 0; i < n; i++) {
+        keep[ids[i]] = 1;
+        prob[ids[i]] = pr[i] / total;
+    }
+    free(ids);
+    free(pr);
+    return n;
+}
+
+/* Draws `draws` tokens and checks them against ref_filters: every draw kept, and every kept
+ * token expected at least 25 times drawn within 6 standard deviations of its expectation. */
+static void check_draws(const float *l, int V, df_sampling_params p, int draws) {
+    unsigned char *keep = malloc((size_t)V);
+    double *prob = malloc((size_t)V * sizeof *prob);
+    int *count = calloc((size_t)V, sizeof *count);
+    ref_filters(l, V, &p, keep, prob);
+    p.seed = 7;
+    p.has_seed = 1;
+    df_sampler s;
+    df_sampler_init(&s, &p);
+    for (int d = 0; d < draws; d++) {
+        const int32_t id = df_sampler_sample(&s, (float *)l, V);
+        assert_true(id >= 0 && id < V);
+        if (!keep[id]) fail_msg("drew id %d, outside the kept set (top_k %d, top_p %g, min_p %g)", id, p.top_k,
+                                (double)p.top_p, (double)p.min_p);
+        count[id]++;
+    }
+    df_sampler_free(&s);
+    for (int i = 0; i < V; i++) {
+        const double e = prob[i] * draws;
+        if (e >= 25 && fabs(count[i] - e) > 6 * sqrt(e))
+            fail_msg("id %d drawn %d times, expected %.1f (top_k %d, top_p %g, min_p %g)", i, count[i], e, p.top_k,
+                     (double)p.top_p, (double)p.min_p);
+    }
+    free(keep);
+    free(prob);
+    free(count);
+}
+
+/* The filters at the real vocabulary's size against their plain definition: exact boundaries
+ * (ties at the top-k cut go to the lower id; the top-p cut is the shortest prefix; min-p), many
+ * candidates sharing one logit, a flat distribution whose nucleus is half the vocabulary, and
+ * random peaked logits (a smaller vocabulary) with every combination of filters. */
+static void test_filters_large_vocab(void **state) {
+    (void)state;
+    enum { V = 248320 };
+    float *l = malloc(V * sizeof *l);
+    df_sampling_params p = df_sampling_default();
+    p.temperature = 1.0f;
+    /* a head of four with a tie, the rest negligible (e^-35 of the best each) */
+    for (int i = 0; i < V; i++) l[i] = -30.0f;
+    l[7] = 5.0f;
+    l[100000] = 4.0f;
+    l[200000] = 4.0f;
+    l[3] = 3.0f;
+    unsigned char *keep = malloc(V);
+    double *prob = malloc(V * sizeof *prob);
+    p.top_p = 0.6f; /* cumulative 0.534, 0.731, ...: keeps 7 and 100000 */
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 2);
+    assert_true(keep[7] && keep[100000]);
+    check_draws(l, V, p, 800);
+    p.top_p = 1.0f;
+    p.top_k = 2; /* the tie at 4.0 goes to the lower id */
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 2);
+    assert_true(keep[7] && keep[100000]);
+    check_draws(l, V, p, 800);
+    p.top_k = 0;
+    p.min_p = 0.3f; /* e^-1 = 0.37 kept, e^-2 = 0.14 not */
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 3);
+    check_draws(l, V, p, 800);
+    p.min_p = 0.0f;
+    /* 1000 candidates with one logit: top-k 500 keeps the 500 lowest ids of them */
+    for (int i = 0; i < V; i++) l[i] = -30.0f;
+    for (int i = 0; i < 1000; i++) l[(i * 241) % V] = 2.0f;
+    p.top_k = 500;
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 500);
+    check_draws(l, V, p, 1500);
+    p.top_k = 0;
+    p.top_p = 0.2505f; /* 251 of them (a target on an exact prefix sum would hang on the sums' rounding) */
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 251);
+    check_draws(l, V, p, 1500);
+    /* flat: the nucleus of top-p 0.5 is about half the vocabulary; top_k 100000 on it */
+    unsigned x = 12345;
+    for (int i = 0; i < V; i++) {
+        x = x * 1664525u + 1013904223u;
+        l[i] = (float)(x >> 8) / 16777216.0f * 0.05f;
+    }
+    p.top_p = 0.5f;
+    check_draws(l, V, p, 300);
+    p.top_k = 100000;
+    check_draws(l, V, p, 300);
+    /* peaked (over the first 32768 ids): a few dozen tokens carry the mass */
+    const int V2 = 32768;
+    for (int i = 0; i < V2; i++) {
+        x = x * 1664525u + 1013904223u;
+        const float u = (float)(x >> 8) / 16777216.0f;
+        l[i] = -8.0f + 4.0f * u + ((x >> 3) % 1000 == 0 ? 10.0f * u : 0.0f);
+    }
+    const int ks[3] = {0, 40, 5000};
+    const float tps[3] = {1.0f, 0.9f, 0.3f}, mps[2] = {0.0f, 0.05f};
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++)
+            for (int c = 0; c < 2; c++) {
+                p.top_k = ks[a];
+                p.top_p = tps[b];
+                p.min_p = mps[c];
+                p.temperature = c ? 0.7f : 1.3f;
+                check_draws(l, V2, p, 600);
+            }
+    free(keep);
+    free(prob);
+    free(l);
+}
+
 static void test_processors(void **state) {
     (void)state;
     float l[6] = {2, -2, 1, 0, 0.5f, 3};
@@ -115,6 +273,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_and_ties),
         cmocka_unit_test(test_seed_reproducible_and_truncation),
+        cmocka_unit_test(test_filters_large_vocab),
         cmocka_unit_test(test_processors),
         cmocka_unit_test(test_token_info),
     };
