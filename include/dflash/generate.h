@@ -89,6 +89,7 @@ typedef struct df_sampler {
     /* scratch, grown on demand */
     float *probs;
     int32_t *idx;
+    float *lg;
     df_sampler_work *work;
     int cap;
 } df_sampler;
@@ -105,6 +106,20 @@ void df_sampler_free(df_sampler *s);
  * Returns -1 when the logits are not usable (a NaN among them, or an infinite maximum: a
  * broken pack or computation), as df_argmax. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
+/* The largest top_k for which a sampler can draw from the top_k best candidates alone
+ * (df_sampler_sample_top). */
+#define DF_SAMPLE_TOP_MAX 64
+
+/* 1 when s draws from the top_k best logits alone: temperature > 0, 0 < top_k <=
+ * DF_SAMPLE_TOP_MAX, top_k < n_vocab, and no logit processors (penalties, bias) to apply first. */
+int df_sampler_top_k_only(const df_sampler *s, int n_vocab);
+/* df_sampler_sample from the k = top_k best candidates of a vocabulary of n_vocab (as a device
+ * finds them, backend.h `top_k`): ids[0..k) and their logits vals[0..k) in rank order (logit
+ * descending, lower id first on ties): the same token as df_sampler_sample on the full logits, for
+ * the same sampler state. Requires df_sampler_top_k_only(s, n_vocab) and k == top_k. Returns -1
+ * when ids[0] is -1 (the logits held a NaN), the best logit is infinite, or the list is not such
+ * a list (an id outside the vocabulary, a NaN, values out of order). */
+int32_t df_sampler_sample_top(df_sampler *s, const int32_t *ids, const float *vals, int k, int n_vocab);
 /* argmax over logits[n]; lowest index wins ties. -1 when a logit is NaN or the maximum is
  * infinite (checked during the same scan). */
 int32_t df_argmax(const float *logits, int n);

@@ -147,6 +147,12 @@ typedef struct df_backend_ops {
      * (speculative decoding replays the accepted rows of every GDN layer at once). */
     void (*gdn_states)(df_backend *be, const df_gdn_shape *sh, int M, int n, const df_gdn_layer *layers);
 
+    /* The k best entries of one row x[0..width) (backend memory) into host arrays ids[k] and
+     * vals[k], in rank order: value descending, the lower index first on ties; ids[0] = -1 when
+     * the row holds a NaN. 1 <= k <= 64, k <= width. Optional (NULL: sampling reads the whole
+     * row): lets a sampler with a small top-k read k entries instead of a vocabulary of logits. */
+    void (*top_k)(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals);
+
     /* Token ids that stay in backend memory (optional, all three or none; NULL: ids go through
      * the host). Speculative decoding uses them to queue a round's verify pass behind its
      * drafter pass without a host round trip between them.
@@ -159,6 +165,11 @@ typedef struct df_backend_ops {
     void (*embed_dev)(df_backend *be, const df_linear *E, const int32_t *ids, int M, float *out);
     void (*argmax_dev)(df_backend *be, const float *x, int rows, int width, int32_t *out, int32_t bad);
     void (*submit)(df_backend *be);
+    /* read_ahead (optional): `to_host` without waiting for the most recently submitted ops: src
+     * must hold a result of ops submitted before them (undefined if the latest submitted ops
+     * write it); ops recorded and not submitted are neither run nor waited for. Lets greedy
+     * decoding read step N's token while step N + 1, queued behind it, runs. */
+    void (*read_ahead)(df_backend *be, void *dst, const void *src, size_t bytes);
 } df_backend_ops;
 
 struct df_backend {
@@ -180,6 +191,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err);
 /* Hadamard helpers shared by backends and tests: in-place Sylvester Walsh–Hadamard transform
  * of each `block`-wide chunk of x[n] scaled by 1/sqrt(block) (float32 butterflies, fixed order). */
 void df_hadamard_inplace(float *x, int n, int block);
+/* backend.h `top_k` on host memory (a NaN scan, then a bounded insertion pass in index order). */
+void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals);
 /* Rounds to the nearest fp16 value (round-to-nearest-even), returned as float. */
 float df_round_f16(float x);
 

@@ -210,8 +210,6 @@ static int32_t *make_prompt(int n, int vocab) {
     return p;
 }
 
-/* Plain greedy: prefill + gen tokens with the device argmax; returns ids (malloc'd, gen of them)
- * and the decode time of tokens 2..gen in *ms. */
 /* Greedy plain decoding of gen tokens after a ctx-token prompt: the ids (an EOS id ends the run;
  * the ids after it are -1), *n the ids generated, the prefill time and the mean step time. NULL
  * with err set on failure (DF_ERR_NUMERIC for non-finite logits). */
@@ -219,6 +217,8 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
                           df_error *err) {
     df_engine *e = s->eng;
     const int V = df_engine_vocab_size(e);
+    df_greedy g; /* the loop of df_generate: each step queued before the previous token is read */
+    int on = 0;  /* g begun */
     float *lg = malloc((size_t)V * sizeof(float));
     int32_t *out = malloc((size_t)gen * sizeof(int32_t));
     if (!lg || !out) {
@@ -239,13 +239,16 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
     int n = 1;
     for (; n < gen; n++) {
         if (df_engine_is_eos(e, out[n - 1])) break;
-        int32_t id = out[n - 1];
-        if (df_target_forward_argmax(s, &id, 1, &out[n], err) != DF_OK) goto fail;
+        if (!on && df_greedy_begin(s, &g, out[0], err) != DF_OK) goto fail;
+        on = 1;
+        if (df_greedy_next(s, &g, n + 1 < gen, &out[n], err) != DF_OK) goto fail;
         if (out[n] < 0) {
             df_gen_non_finite(err, n);
             goto fail;
         }
     }
+    if (on) df_greedy_end(s, &g);
+    on = 0;
     sync_dev(e);
     double t2 = df_now_ms();
     *prefill_ms = t1 - t0;
@@ -255,6 +258,7 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
     *n_out = n;
     return out;
 fail:
+    if (on) df_greedy_end(s, &g);
     free(lg);
     free(out);
     return NULL;

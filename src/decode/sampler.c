@@ -128,6 +128,8 @@ void df_sampler_free(df_sampler *s) {
     free(s->probs);
     free(s->idx);
     free(s->work);
+    free(s->lg);
+    s->lg = NULL;
     s->probs = NULL;
     s->idx = NULL;
     s->work = NULL;
@@ -161,7 +163,7 @@ static int cmp_desc(const void *a, const void *b, void *ctx) {
 }
 
 /* The k best ids of logits[0..n) into idx[0..k), in rank order (cmp_desc): a bounded insertion
- * pass, for small k. */
+ * pass, for small k (up to DF_SAMPLE_TOP_MAX). */
 static int select_top_k(const float *logits, int32_t *idx, int n, int k) {
     int len = 0;
     for (int i = 0; i < n; i++) {
@@ -177,9 +179,10 @@ static int select_top_k(const float *logits, int32_t *idx, int n, int k) {
     return len;
 }
 
-/* The bits of a non-NaN float as an unsigned key in the order of the values (-0 and +0 apart,
- * -0 below: the same logit either way for the rank order, which the final sort settles). */
+/* The bits of a non-NaN float as an unsigned key in the order of the values (-0 taken as +0, so
+ * that equal values share a key). */
 static inline uint32_t order_key(float v) {
+    if (v == 0.0f) v = 0.0f;
     uint32_t u;
     memcpy(&u, &v, sizeof u);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -321,39 +324,31 @@ static double softmax_terms(const float *restrict logits, int n, float mx, float
     return (s0 + s1) + (s2 + s3);
 }
 
-int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
+/* Grows the sampler's scratch to a vocabulary of n_vocab; 0 when out of memory. */
+static int sampler_scratch(df_sampler *s, int n_vocab) {
+    if (s->cap >= n_vocab && s->work && s->lg) return 1;
+    float *pr = realloc(s->probs, (size_t)n_vocab * sizeof(float));
+    if (pr) s->probs = pr;
+    int32_t *ix = realloc(s->idx, (size_t)n_vocab * sizeof(int32_t));
+    if (ix) s->idx = ix;
+    float *lg = realloc(s->lg, (size_t)n_vocab * sizeof(float));
+    if (lg) s->lg = lg;
+    if (!s->work) s->work = malloc(sizeof *s->work);
+    if (!pr || !ix || !lg || !s->work) return 0;
+    s->cap = n_vocab;
+    return 1;
+}
+
+/* The filters after top-k and the draw: the candidates idx[0..n) (every id 0..n-1 when all is
+ * set), their logits by id, mx the largest of them (finite). */
+static int32_t sample_tail(df_sampler *s, const float *logits, int32_t *idx, int n, int all, float mx) {
     const df_sampling_params *p = &s->p;
-    if (!(p->temperature > 0.0f)) return df_argmax(logits, n_vocab);
-    if (s->cap < n_vocab || !s->work) {
-        float *pr = realloc(s->probs, (size_t)n_vocab * sizeof(float));
-        if (pr) s->probs = pr;
-        int32_t *ix = realloc(s->idx, (size_t)n_vocab * sizeof(int32_t));
-        if (ix) s->idx = ix;
-        if (!s->work) s->work = malloc(sizeof *s->work);
-        if (!pr || !ix || !s->work) return df_argmax(logits, n_vocab); /* no memory: degrade to greedy */
-        s->cap = n_vocab;
-    }
-    int32_t *idx = s->idx;
     float *probs = s->probs; /* indexed by token id */
-    float mx = -INFINITY;
-    for (int i = 0; i < n_vocab; i++) {
-        const float v = logits[i];
-        if (isnan(v)) return -1;
-        mx = v > mx ? v : mx;
-    }
-    if (!isfinite(mx)) return -1;
-    /* the candidates: idx[0..n), or every id while all is set */
-    int n = n_vocab, all = 1;
-    if (p->top_k > 0 && p->top_k < n) {
-        n = p->top_k <= 64 ? select_top_k(logits, idx, n_vocab, p->top_k)
-                           : select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
-        all = 0;
-    }
     /* softmax with temperature over the candidates, unnormalised (the best one has 1) */
     const float inv_t = 1.0f / p->temperature;
     double sum = 0.0;
     if (all) {
-        sum = softmax_terms(logits, n_vocab, mx, inv_t, probs);
+        sum = softmax_terms(logits, n, mx, inv_t, probs);
     } else {
         for (int i = 0; i < n; i++) {
             const int32_t id = idx[i];
@@ -386,4 +381,43 @@ int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
         if (r < c) return all ? i : idx[i];
     }
     return all ? n - 1 : idx[n - 1];
+}
+
+int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
+    const df_sampling_params *p = &s->p;
+    if (!(p->temperature > 0.0f)) return df_argmax(logits, n_vocab);
+    if (!sampler_scratch(s, n_vocab)) return df_argmax(logits, n_vocab); /* no memory: degrade to greedy */
+    int32_t *idx = s->idx;
+    float mx = -INFINITY;
+    for (int i = 0; i < n_vocab; i++) {
+        const float v = logits[i];
+        if (isnan(v)) return -1;
+        mx = v > mx ? v : mx;
+    }
+    if (!isfinite(mx)) return -1;
+    /* the candidates: idx[0..n), or every id while all is set */
+    int n = n_vocab, all = 1;
+    if (p->top_k > 0 && p->top_k < n) {
+        n = p->top_k <= DF_SAMPLE_TOP_MAX ? select_top_k(logits, idx, n_vocab, p->top_k)
+                                          : select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
+        all = 0;
+    }
+    return sample_tail(s, logits, idx, n, all, mx);
+}
+
+int df_sampler_top_k_only(const df_sampler *s, int n_vocab) {
+    const df_sampling_params *p = &s->p;
+    return p->temperature > 0.0f && p->top_k > 0 && p->top_k <= DF_SAMPLE_TOP_MAX && p->top_k < n_vocab &&
+           !df_sampling_has_processors(p);
+}
+
+int32_t df_sampler_sample_top(df_sampler *s, const int32_t *ids, const float *vals, int k, int n_vocab) {
+    if (k != s->p.top_k || !df_sampler_top_k_only(s, n_vocab) || ids[0] < 0 || !isfinite(vals[0])) return -1;
+    if (!sampler_scratch(s, n_vocab)) return ids[0]; /* no memory: degrade to greedy */
+    for (int j = 0; j < k; j++) {
+        if (ids[j] < 0 || ids[j] >= n_vocab || isnan(vals[j]) || (j > 0 && vals[j] > vals[j - 1])) return -1;
+        s->idx[j] = ids[j];
+        s->lg[ids[j]] = vals[j];
+    }
+    return sample_tail(s, s->lg, s->idx, k, 0, vals[0]);
 }

@@ -239,22 +239,85 @@ static void capture_plane(df_session *s, int plane, const float *src, int M) {
 /* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. (ids on the host, or d_ids in
  * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
  * the greedy tokens into argmax (host) or d_argmax (backend memory). */
+typedef struct top_k_out {
+    int k;
+    int32_t *ids;
+    float *vals;
+} top_k_out;
+
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
-                              int32_t *argmax, int32_t *d_argmax, int logits_from, df_error *err);
+                              int32_t *argmax, int32_t *d_argmax, const top_k_out *tk, int logits_from, df_error *err);
 
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err) {
-    return forward_rows(s, ids, NULL, M, logits, NULL, NULL, logits_from, err);
+    return forward_rows(s, ids, NULL, M, logits, NULL, NULL, NULL, logits_from, err);
 }
 
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
-    return forward_rows(s, ids, NULL, M, NULL, argmax, NULL, 0, err);
+    return forward_rows(s, ids, NULL, M, NULL, argmax, NULL, NULL, 0, err);
 }
 
 df_status df_target_forward_argmax_dev(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
     if (!s->be->ops->embed_dev || !s->be->ops->argmax_dev)
         return df_error_set(err, DF_ERR_INTERNAL, "forward: the backend keeps no token ids in its memory");
-    return forward_rows(s, NULL, ids, M, NULL, NULL, argmax, 0, err);
+    return forward_rows(s, NULL, ids, M, NULL, NULL, argmax, NULL, 0, err);
+}
+
+df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids, float *vals, df_error *err) {
+    if (!s->be->ops->top_k) return df_error_set(err, DF_ERR_INTERNAL, "forward: the backend has no top_k");
+    if (k < 1 || k > 64 || k > s->eng->pack->cfg.vocab_size)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "forward: top-k of %d", k);
+    const top_k_out tk = {k, ids, vals};
+    return forward_rows(s, &id, NULL, 1, NULL, NULL, NULL, &tk, 0, err);
+}
+
+df_status df_greedy_begin(df_session *s, df_greedy *g, int32_t first, df_error *err) {
+    /* (on failure nothing is left to end) */
+    df_backend *be = s->be;
+    memset(g, 0, sizeof *g);
+    g->prev = first;
+    g->t = 1;
+    if (!be->ops->embed_dev || !be->ops->argmax_dev || !be->ops->read_ahead) return DF_OK; /* one step at a time */
+    if (first < 0 || first >= s->eng->pack->cfg.vocab_size)
+        return df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", first, s->eng->pack->cfg.vocab_size);
+    if (!(g->d_ids = be->ops->alloc(be, 2 * sizeof(int32_t)))) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
+    be->ops->to_device(be, g->d_ids, &first, sizeof first);
+    df_status st = forward_rows(s, NULL, g->d_ids, 1, NULL, NULL, g->d_ids + 1, NULL, 0, err);
+    if (st != DF_OK) {
+        df_greedy_end(s, g);
+        return st;
+    }
+    if (be->ops->submit) be->ops->submit(be);
+    return DF_OK;
+}
+
+df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df_error *err) {
+    df_backend *be = s->be;
+    if (!g->d_ids) {
+        df_status st = df_target_forward_argmax(s, &g->prev, 1, tok, err);
+        if (st == DF_OK) g->prev = *tok;
+        return st;
+    }
+    int32_t *cur = g->d_ids + (g->t & 1), *nxt = g->d_ids + ((g->t + 1) & 1);
+    if (more) { /* the step fed with token t, queued behind the step that makes it */
+        df_status st = forward_rows(s, NULL, cur, 1, NULL, NULL, nxt, NULL, 0, err);
+        if (st != DF_OK) return st;
+        if (be->ops->submit) be->ops->submit(be);
+        be->ops->read_ahead(be, tok, cur, sizeof *tok);
+    } else {
+        be->ops->to_host(be, tok, cur, sizeof *tok);
+    }
+    g->t++;
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "forward: out of memory for scratch buffers");
+    }
+    return DF_OK;
+}
+
+void df_greedy_end(df_session *s, df_greedy *g) {
+    if (g->d_ids) s->be->ops->dealloc(s->be, g->d_ids);
+    g->d_ids = NULL;
 }
 
 /* RMSNorm of x into s->h, then n linears of it (backend.h `linears`, or the primitive ops). */
@@ -287,7 +350,7 @@ static void linear_add(df_session *s, const df_linear *W, const float *x, const 
 }
 
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
-                              int32_t *argmax, int32_t *d_argmax, int logits_from, df_error *err) {
+                              int32_t *argmax, int32_t *d_argmax, const top_k_out *tk, int logits_from, df_error *err) {
     const df_pack *pk = s->eng->pack;
     const df_text_config *c = &pk->cfg;
     df_backend *be = s->be;
@@ -364,14 +427,17 @@ static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *
         if (s->tap) s->tap(s->tap_user, l, s->x, M);
     }
     s->pos += M;
-    if ((argmax || d_argmax) && !logits && !s->capture) { /* greedy decode / verify: final norm fused with lm_head */
+    if ((argmax || d_argmax || tk) && !logits && !s->capture) { /* greedy decode / verify, or the top-k
+                                                                  * of a sampled step: final norm fused with lm_head */
         const df_linear *Wl[1] = {&pk->lm_head};
         float *yl[1] = {s->logits};
         norm_linears(s, s->x, pk->final_norm.data, M, 1, Wl, yl);
-        if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
+        if (tk) op->top_k(be, s->logits, c->vocab_size, tk->k, tk->ids, tk->vals);
+        else if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
         else op->argmax(be, s->logits, M, c->vocab_size, argmax);
         argmax = d_argmax = NULL;
-    } else if (s->capture || logits || argmax || d_argmax) {
+        tk = NULL;
+    } else if (s->capture || logits || argmax || d_argmax || tk) {
         op->rmsnorm(be, s->x, pk->final_norm.data, M, H, c->rms_norm_eps, s->h);
         if (s->capture) {
             capture_plane(s, c->n_layers + 1, s->h, M);
@@ -383,9 +449,10 @@ static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *
         op->linear(be, &pk->lm_head, s->h + (size_t)logits_from * (size_t)H, n, s->logits);
         op->to_host(be, logits, s->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
     }
-    if (argmax || d_argmax) {
+    if (argmax || d_argmax || tk) {
         op->linear(be, &pk->lm_head, s->h, M, s->logits);
-        if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
+        if (tk) op->top_k(be, s->logits, c->vocab_size, tk->k, tk->ids, tk->vals);
+        else if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
         else op->argmax(be, s->logits, M, c->vocab_size, argmax);
     }
     if (be->failed) {

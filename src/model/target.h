@@ -67,6 +67,34 @@ df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *log
  * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
+/* Greedy decoding one token at a time, each step recorded before the host reads the token of
+ * the step before it when the backend keeps token ids in its memory (embed_dev, argmax_dev,
+ * read_ahead): the host's time between steps is hidden behind the device's. The tokens are those
+ * of df_target_forward_argmax step by step. */
+typedef struct df_greedy {
+    int32_t *d_ids; /* backend memory [2]: token t in d_ids[t & 1]; NULL: one step at a time */
+    int32_t prev;   /* one step at a time: the last token */
+    int t;          /* the token the next df_greedy_next returns */
+} df_greedy;
+
+/* Starts greedy decoding after token `first` (at position s->pos): its step is recorded and
+ * started. Errors as df_target_forward_argmax; DF_ERR_NOMEM (then there is nothing to end). */
+df_status df_greedy_begin(df_session *s, df_greedy *g, int32_t first, df_error *err);
+/* The next greedy token into *tok (-1 when its logits were not finite, as df_argmax). With `more`
+ * the step after it (fed with it) is recorded and started before it is read, so that the host
+ * works while the device computes: a caller that stops at this token (an EOS, a stop string)
+ * leaves that one step run, the session one position further (df_generate resets sessions).
+ * Errors as df_target_forward_argmax. */
+df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df_error *err);
+/* Ends greedy decoding (waits for a step still running; frees the id buffer). */
+void df_greedy_end(df_session *s, df_greedy *g);
+
+/* One token through the target; instead of its logits, the k (1..64) best of them in rank order
+ * (backend.h `top_k`: ids[k], vals[k]; ids[0] = -1 when the logits held a NaN), for a sampler
+ * with a small top-k (df_sampler_sample_top). Errors as df_target_forward_argmax, and
+ * DF_ERR_INTERNAL when the backend has no top_k. */
+df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids, float *vals, df_error *err);
+
 /* As df_target_forward_argmax with the token ids and the result in backend memory (the
  * backend's embed_dev and argmax_dev ops, which must exist): ids[M] each in [0, vocab) (the
  * caller's promise: they are not checked, an id outside gives a row of zeros), argmax[M] the

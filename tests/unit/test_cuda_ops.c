@@ -646,6 +646,103 @@ static void test_staged_copies_replayed(void **state) {
  * new host data and reading the previous step's ids on the device, give the bits of the same
  * ops run without submit (the rounds repeat, so the steps are captured as graphs and replayed
  * with both pinned buffer pairs). */
+/* top_k on the GPU == df_top_k_host (the CPU backend's): ids and values, for k = 1..64, widths
+ * from 1 to the vocabulary's and beyond the kernels' limit (the host fallback), rows with many
+ * ties (signed zeros among them), -inf entries, and a NaN (ids[0] = -1). */
+static void test_top_k_gpu(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int widths[6] = {1, 70, 3000, 65536, 248320, 300000};
+    const int ks[5] = {1, 5, 20, 40, 64};
+    int32_t gi[64], ci[64];
+    float gv[64], cv[64];
+    for (int w = 0; w < 6; w++) {
+        const int W = widths[w];
+        float *x = malloc((size_t)W * 4);
+        for (int variant = 0; variant < 3; variant++) {
+            for (int i = 0; i < W; i++) {
+                x[i] = variant == 1 ? (float)(int)(frand() * 8.0f) : frand(); /* variant 1: mostly ties */
+                if (variant == 2 && i % 13 == 0) x[i] = -INFINITY;
+                if (variant == 1 && i % 7 == 0) x[i] = i % 14 ? -0.0f : 0.0f; /* signed zeros tie */
+            }
+            if (variant == 2 && W > 100) x[W / 3] = NAN;
+            float *dx = dput(be, x, (size_t)W * 4);
+            for (int kk = 0; kk < 5; kk++) {
+                const int k = ks[kk] < W ? ks[kk] : W;
+                be->ops->top_k(be, dx, W, k, gi, gv);
+                df_top_k_host(x, W, k, ci, cv);
+                gpu_ok(be, "top_k");
+                if (ci[0] < 0) {
+                    assert_int_equal(gi[0], -1);
+                    continue;
+                }
+                if (memcmp(gi, ci, (size_t)k * 4) != 0 || memcmp(gv, cv, (size_t)k * 4) != 0)
+                    fail_msg("top_k: width %d, k %d, variant %d: GPU list differs from the CPU's", W, k, variant);
+            }
+            dfree_(be, dx);
+        }
+        free(x);
+    }
+}
+
+/* read_ahead in the greedy loop's pattern: step t embeds token t - 1 (in backend memory) and
+ * writes token t = the argmax of that row, with a long add in between; step t + 1 is recorded
+ * and submitted before token t is read with read_ahead. The tokens equal those of the same
+ * steps run one at a time (to_host after each). */
+static void test_read_ahead_chain(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_backend *be = g_gpu;
+    const int V = 3000, cols = 1024, T = 24;
+    const size_t nbig = (size_t)4 << 20;
+    qlin q;
+    make_linear(&q, V, cols, 2, 128, 1024, 0, 1);
+    int32_t *dd = be->ops->alloc(be, 2 * sizeof(int32_t));
+    float *row = be->ops->alloc(be, (size_t)cols * 4), *big = be->ops->alloc(be, nbig * 4);
+    float *one = malloc(nbig * 4);
+    for (size_t i = 0; i < nbig; i++) one[i] = 1.0f;
+    float *done = dput(be, one, nbig * 4);
+    int32_t want[24], got[24];
+    for (int mode = 0; mode < 2; mode++) {
+        int32_t *out = mode ? got : want, first = 17;
+        be->ops->to_device(be, dd, &first, sizeof first);
+        for (int t = 1; t <= T; t++) {
+            int32_t *cur = dd + ((t - 1) & 1), *nxt = dd + (t & 1);
+            if (mode == 0 || t == 1) { /* step t */
+                be->ops->embed_dev(be, &q.L, cur, 1, row);
+                be->ops->add(be, big, done, nbig);
+                be->ops->argmax_dev(be, row, 1, cols, nxt, 0);
+                if (mode == 0) {
+                    be->ops->to_host(be, &out[t - 1], nxt, sizeof(int32_t));
+                    continue;
+                }
+                be->ops->submit(be);
+            }
+            if (t < T) { /* step t + 1, queued behind step t, fed with its token */
+                be->ops->embed_dev(be, &q.L, nxt, 1, row);
+                be->ops->add(be, big, done, nbig);
+                be->ops->argmax_dev(be, row, 1, cols, cur, 0);
+                be->ops->submit(be);
+                be->ops->read_ahead(be, &out[t - 1], nxt, sizeof(int32_t));
+            } else {
+                be->ops->to_host(be, &out[t - 1], nxt, sizeof(int32_t));
+            }
+        }
+        gpu_ok(be, "read_ahead chain");
+    }
+    int changes = 0;
+    for (int t = 1; t < T; t++) changes += want[t] != want[t - 1];
+    assert_true(changes > 0);
+    if (memcmp(want, got, sizeof want) != 0) fail_msg("tokens read ahead differ from the same steps one at a time");
+    free(one);
+    dfree_(be, done);
+    dfree_(be, big);
+    dfree_(be, row);
+    dfree_(be, dd);
+    free_linear(&q);
+}
+
 static void test_ids_on_device(void **state) {
     (void)state;
     NEED_GPU();
@@ -1490,7 +1587,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload),
         cmocka_unit_test(test_weight_const_range), cmocka_unit_test(test_elementwise),
-        cmocka_unit_test(test_embed), cmocka_unit_test(test_ids_on_device), cmocka_unit_test(test_staged_copies_replayed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
+        cmocka_unit_test(test_embed), cmocka_unit_test(test_ids_on_device), cmocka_unit_test(test_top_k_gpu), cmocka_unit_test(test_read_ahead_chain), cmocka_unit_test(test_staged_copies_replayed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared), cmocka_unit_test(test_mma_multi),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "dflash/generate.h"
 
 static void test_greedy_and_ties(void **state) {
@@ -170,27 +171,32 @@ static void test_filters_large_vocab(void **state) {
     p.top_p = 0.6f; /* cumulative 0.534, 0.731, ...: keeps 7 and 100000 */
     assert_int_equal(ref_filters(l, V, &p, keep, prob), 2);
     assert_true(keep[7] && keep[100000]);
-    check_draws(l, V, p, 800);
+    check_draws(l, V, p, 400);
     p.top_p = 1.0f;
     p.top_k = 2; /* the tie at 4.0 goes to the lower id */
     assert_int_equal(ref_filters(l, V, &p, keep, prob), 2);
     assert_true(keep[7] && keep[100000]);
-    check_draws(l, V, p, 800);
+    check_draws(l, V, p, 400);
     p.top_k = 0;
     p.min_p = 0.3f; /* e^-1 = 0.37 kept, e^-2 = 0.14 not */
     assert_int_equal(ref_filters(l, V, &p, keep, prob), 3);
-    check_draws(l, V, p, 800);
+    check_draws(l, V, p, 400);
     p.min_p = 0.0f;
-    /* 1000 candidates with one logit: top-k 500 keeps the 500 lowest ids of them */
+    /* 200 candidates with one logit: top-k 100 keeps the 100 lowest ids of them */
     for (int i = 0; i < V; i++) l[i] = -30.0f;
-    for (int i = 0; i < 1000; i++) l[(i * 241) % V] = 2.0f;
-    p.top_k = 500;
-    assert_int_equal(ref_filters(l, V, &p, keep, prob), 500);
-    check_draws(l, V, p, 1500);
+    for (int i = 0; i < 200; i++) l[(i * 241) % V] = 2.0f;
+    p.top_k = 100;
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 100);
+    check_draws(l, V, p, 600);
+    /* the same with signed zeros (-0 and +0 tie: the lower ids) */
+    for (int i = 0; i < 200; i++) l[(i * 241) % V] = i % 2 ? -0.0f : 0.0f;
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 100);
+    check_draws(l, V, p, 600);
+    for (int i = 0; i < 200; i++) l[(i * 241) % V] = 2.0f;
     p.top_k = 0;
-    p.top_p = 0.2505f; /* 251 of them (a target on an exact prefix sum would hang on the sums' rounding) */
-    assert_int_equal(ref_filters(l, V, &p, keep, prob), 251);
-    check_draws(l, V, p, 1500);
+    p.top_p = 0.5025f; /* 101 of them (a target on an exact prefix sum would hang on the sums' rounding) */
+    assert_int_equal(ref_filters(l, V, &p, keep, prob), 101);
+    check_draws(l, V, p, 600);
     /* flat: the nucleus of top-p 0.5 is about half the vocabulary; top_k 100000 on it */
     unsigned x = 12345;
     for (int i = 0; i < V; i++) {
@@ -221,6 +227,85 @@ static void test_filters_large_vocab(void **state) {
             }
     free(keep);
     free(prob);
+    free(l);
+}
+
+/* Sampling from the k best candidates (as a backend's top_k gives them) draws the same tokens
+ * as sampling from the whole vocabulary, for every filter combination with a top-k up to
+ * DF_SAMPLE_TOP_MAX; df_top_k_host ranks by value then index; a bad list gives -1. */
+static void test_sample_from_top_k(void **state) {
+    (void)state;
+    enum { V = 5000 };
+    float *l = malloc(V * sizeof *l);
+    unsigned x = 99;
+    int32_t ids[DF_SAMPLE_TOP_MAX];
+    float vals[DF_SAMPLE_TOP_MAX];
+    const int ks[4] = {1, 7, 40, DF_SAMPLE_TOP_MAX};
+    for (int rep = 0; rep < 6; rep++) {
+        for (int i = 0; i < V; i++) {
+            x = x * 1664525u + 1013904223u;
+            /* coarse values: many ties; a few -inf */
+            l[i] = rep % 3 == 2 && i % 97 == 0 ? -INFINITY : (float)((x >> 20) % 200) * 0.05f - 5.0f;
+        }
+        for (int a = 0; a < 4; a++) {
+            df_sampling_params p = df_sampling_default();
+            p.temperature = rep % 2 ? 0.6f : 1.4f;
+            p.top_k = ks[a];
+            p.top_p = rep % 3 == 0 ? 1.0f : 0.7f;
+            p.min_p = rep % 3 == 1 ? 0.2f : 0.0f;
+            p.seed = 1000u + (unsigned)rep;
+            p.has_seed = 1;
+            df_top_k_host(l, V, p.top_k, ids, vals);
+            for (int j = 1; j < p.top_k; j++) /* rank order: value descending, lower id first on ties */
+                assert_true(vals[j] < vals[j - 1] || (vals[j] == vals[j - 1] && ids[j] > ids[j - 1]));
+            for (int i = 0; i < V; i++) /* nothing left out ranks above the last */
+                if (l[i] > vals[p.top_k - 1] || (l[i] == vals[p.top_k - 1] && i < ids[p.top_k - 1])) {
+                    int in = 0;
+                    for (int j = 0; j < p.top_k; j++) in |= ids[j] == i;
+                    assert_true(in);
+                }
+            df_sampler full, top;
+            df_sampler_init(&full, &p);
+            df_sampler_init(&top, &p);
+            assert_true(df_sampler_top_k_only(&top, V));
+            for (int d = 0; d < 200; d++) {
+                const int32_t want = df_sampler_sample(&full, l, V);
+                const int32_t got = df_sampler_sample_top(&top, ids, vals, p.top_k, V);
+                if (got != want) fail_msg("rep %d, top_k %d, draw %d: %d from the top-k list, %d from all", rep, p.top_k, d, got, want);
+            }
+            df_sampler_free(&full);
+            df_sampler_free(&top);
+        }
+    }
+    df_sampling_params p = df_sampling_default();
+    p.temperature = 1.0f;
+    p.top_k = 3;
+    df_sampler s;
+    df_sampler_init(&s, &p);
+    int32_t bid[3] = {4, 2, 9};
+    float bv[3] = {3.0f, 2.0f, 1.0f};
+    assert_true(df_sampler_sample_top(&s, bid, bv, 3, V) >= 0);
+    assert_int_equal(df_sampler_sample_top(&s, bid, bv, 2, V), -1); /* k is not top_k */
+    bv[2] = 2.5f;
+    assert_int_equal(df_sampler_sample_top(&s, bid, bv, 3, V), -1); /* out of order */
+    bv[2] = 1.0f;
+    bid[1] = V;
+    assert_int_equal(df_sampler_sample_top(&s, bid, bv, 3, V), -1); /* outside the vocabulary */
+    bid[1] = 2;
+    bid[0] = -1;
+    assert_int_equal(df_sampler_sample_top(&s, bid, bv, 3, V), -1); /* a NaN among the logits */
+    bid[0] = 4;
+    bv[0] = INFINITY;
+    assert_int_equal(df_sampler_sample_top(&s, bid, bv, 3, V), -1); /* an infinite maximum */
+    df_sampler_free(&s);
+    p.repetition_penalty = 1.2f; /* a processor: the whole vocabulary is needed */
+    df_sampler_init(&s, &p);
+    assert_false(df_sampler_top_k_only(&s, V));
+    df_sampler_free(&s);
+    /* NaN rows */
+    l[123] = NAN;
+    df_top_k_host(l, V, 5, ids, vals);
+    assert_int_equal(ids[0], -1);
     free(l);
 }
 
@@ -274,6 +359,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_and_ties),
         cmocka_unit_test(test_seed_reproducible_and_truncation),
         cmocka_unit_test(test_filters_large_vocab),
+        cmocka_unit_test(test_sample_from_top_k),
         cmocka_unit_test(test_processors),
         cmocka_unit_test(test_token_info),
     };

@@ -157,6 +157,77 @@ static void test_exact_all_patterns(void **state) {
 /* A backend without the device-id ops (embed_dev, argmax_dev, submit: optional) gets its
  * rounds through the host, with the same tokens; and a replay drafter proposing an id outside
  * the vocabulary is refused on either path. */
+/* The plain loop's shortcuts give the tokens of the whole-logits path: greedy steps read the
+ * backend's argmax, each step queued before the previous token is read (against the host's
+ * argmax of the logits, which logprobs ask for, and against one step at a time, read_ahead
+ * removed; a stop id then ends the output where it should, the step run past it changing
+ * nothing for the next generation), and a sampler with a small top-k draws from the backend's
+ * top_k (against the same sampler on the logits, with the op removed). */
+static void test_plain_loop_paths(void **state) {
+    (void)state;
+    df_backend *be = g_eng->be;
+    const df_backend_ops *own = be->ops;
+    df_backend_ops no_top_k = *own, no_ahead = *own;
+    no_top_k.top_k = NULL;
+    no_ahead.read_ahead = NULL;
+    for (int i = 0; i < 4; i++) {
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = GEN;
+        df_gen_result a, b, c;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &a);
+        be->ops = &no_ahead; /* each step recorded after the token before it is read */
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &c);
+        be->ops = own;
+        gp.logprobs = 1;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &b);
+        assert_int_equal(a.n_ids, b.n_ids);
+        assert_memory_equal(a.ids, b.ids, (size_t)a.n_ids * sizeof(int32_t));
+        assert_int_equal(a.n_ids, c.n_ids);
+        assert_memory_equal(a.ids, c.ids, (size_t)a.n_ids * sizeof(int32_t));
+        /* a stop id read while the step after it runs: the output ends there, and the next
+         * generation (a fresh session) is unchanged */
+        const int at = 3 + i;
+        gp.logprobs = 0;
+        gp.n_stop_ids = 1;
+        gp.stop_ids[0] = a.ids[at];
+        int first = 0;
+        while (a.ids[first] != a.ids[at]) first++;
+        df_gen_result d;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &d);
+        assert_int_equal(d.n_ids, first + 1);
+        assert_memory_equal(d.ids, a.ids, (size_t)d.n_ids * sizeof(int32_t));
+        assert_int_equal(d.finish, DF_FINISH_STOP);
+        df_gen_result_free(&d);
+        gp.n_stop_ids = 0;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &d);
+        assert_int_equal(d.n_ids, a.n_ids);
+        assert_memory_equal(d.ids, a.ids, (size_t)a.n_ids * sizeof(int32_t));
+        df_gen_result_free(&d);
+        df_gen_result_free(&a);
+        df_gen_result_free(&b);
+        df_gen_result_free(&c);
+        gp = df_gen_params_default();
+        gp.max_tokens = GEN;
+        gp.sampling.temperature = i % 2 ? 0.7f : 1.5f;
+        gp.sampling.top_k = i < 2 ? 20 : 64;
+        gp.sampling.top_p = i == 1 ? 0.8f : 1.0f;
+        gp.sampling.min_p = i == 3 ? 0.05f : 0.0f;
+        gp.sampling.seed = 77u + (unsigned)i;
+        gp.sampling.has_seed = 1;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &a);
+        be->ops = &no_top_k;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &b);
+        be->ops = own;
+        if (a.n_ids != b.n_ids || memcmp(a.ids, b.ids, (size_t)a.n_ids * sizeof(int32_t)) != 0)
+            fail_msg("prompt %d: sampling from the backend's top-k differs from sampling the logits", i + 30);
+        int distinct = 0; /* the draws do vary */
+        for (int k = 1; k < a.n_ids; k++) distinct += a.ids[k] != a.ids[0];
+        assert_true(distinct > 0);
+        df_gen_result_free(&a);
+        df_gen_result_free(&b);
+    }
+}
+
 static void test_ids_through_host(void **state) {
     (void)state;
     df_backend *be = g_eng->be;
@@ -582,6 +653,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_all_patterns),
         cmocka_unit_test(test_each_partial_length),
+        cmocka_unit_test(test_plain_loop_paths),
         cmocka_unit_test(test_ids_through_host),
         cmocka_unit_test(test_stops_inside_block),
         cmocka_unit_test(test_window_and_adaptive),

@@ -599,6 +599,42 @@ static void cpu_argmax(df_backend *be, const float *x, int rows, int width, int3
     for (int r = 0; r < rows; r++) out[r] = df_argmax(x + (size_t)r * (size_t)width, width);
 }
 
+/* backend.h df_top_k_host: a NaN scan, then a bounded insertion pass in index order (a later
+ * entry enters only when strictly greater, so ties keep the lower index first). */
+void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals) {
+    for (int i = 0; i < width; i++)
+        if (isnan(x[i])) {
+            ids[0] = -1;
+            vals[0] = x[i];
+            return;
+        }
+    int len = 0;
+    for (int i = 0; i < width; i++) {
+        const float v = x[i];
+        if (len == k && !(v > vals[len - 1])) continue;
+        int pos = len < k ? len++ : k - 1;
+        while (pos > 0 && v > vals[pos - 1]) {
+            ids[pos] = ids[pos - 1];
+            vals[pos] = vals[pos - 1];
+            pos--;
+        }
+        ids[pos] = i;
+        vals[pos] = v;
+    }
+}
+
+/* backend.h `read_ahead`: every op has run when it returns here. */
+static void cpu_read_ahead(df_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    if (n && dst != src) memcpy(dst, src, n);
+}
+
+/* backend.h `top_k` (backend memory is host memory here). */
+static void cpu_top_k(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals) {
+    (void)be;
+    df_top_k_host(x, width, k, ids, vals);
+}
+
 /* backend.h `argmax_dev` (backend memory is host memory here). */
 static void cpu_argmax_dev(df_backend *be, const float *x, int rows, int width, int32_t *out, int32_t bad) {
     cpu_argmax(be, x, rows, width, out);
@@ -638,8 +674,10 @@ static const df_backend_ops cpu_ops = {
     .dyn_conv = cpu_dyn_conv,
     .gdn = cpu_gdn,
     .argmax = cpu_argmax,
+    .top_k = cpu_top_k,
     .embed_dev = cpu_embed, /* ids in backend memory are host memory here */
     .argmax_dev = cpu_argmax_dev,
+    .read_ahead = cpu_read_ahead,
 };
 
 df_status df_backend_cpu_create(df_backend **out, int n_threads, df_error *err) {

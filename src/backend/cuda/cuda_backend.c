@@ -79,6 +79,7 @@ typedef struct cuda_backend {
     float *conv_out;
     size_t conv_cap;
     int32_t *ids;
+    void *tk; /* top_k's result: 64 ids, then 64 values (allocated at the first use) */
     /* prepared inputs of the fixed-point linears: one slot per linear of a call */
     uint32_t *qx[DFK_QMAX];
     float *qe[DFK_QMAX], *qs[DFK_QMAX];
@@ -116,6 +117,8 @@ typedef struct cuda_backend {
     int pb;
     int in_flight;              /* steps launched since the last wait */
     int submit_waits;           /* DFLASH_CUDA_SUBMIT=0: submit waits for the step (experiments) */
+    int sw_at_wait;             /* DFLASH_CUDA_SW_AT_WAIT=1: the step-writes table is emptied at host
+                                 * waits only, not at each step's launch (experiments) */
     void **dfree_later;         /* buffers to free after the step runs */
     size_t n_dfree, cap_dfree;
     struct gentry *graphs;      /* [DF_CUDA_MAX_GRAPHS] */
@@ -535,11 +538,15 @@ static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
  * same bits. DFLASH_CUDA_GRAPHS=0 runs every step eagerly.
  *
  * `submit` launches the recorded step without waiting (the speculative round queues its drafter
- * pass, then records the verify pass while the drafter runs): the next step stages into the
- * other of two pinned buffer pairs, and the steps' buffers are freed and their writes forgotten
- * (step_writes.h) only at the next wait. DFLASH_CUDA_SUBMIT=0 makes submit wait (experiments);
- * DFLASH_CUDA_IDS_DEV=0 leaves out submit, embed_dev and argmax_dev, so that speculative
- * decoding takes its ids through the host, each pass awaited (same-binary comparisons). */
+ * pass, then records the verify pass while the drafter runs; greedy decoding queues step N + 1
+ * and reads step N's token with `read_ahead`): the next step stages into the other of two pinned
+ * buffer pairs, and the steps' buffers are freed only at the next wait. A step's recorded writes
+ * (step_writes.h) are forgotten when it is launched: it begins with a copy, behind which the
+ * next step's kernels start. DFLASH_CUDA_SUBMIT=0 makes submit wait (experiments);
+ * DFLASH_CUDA_IDS_DEV=0 leaves out submit, embed_dev, argmax_dev and read_ahead, so that
+ * speculative decoding takes its ids through the host, each pass awaited, and
+ * DFLASH_CUDA_READ_AHEAD=0 read_ahead alone (same-binary comparisons); DFLASH_CUDA_SW_AT_WAIT=1
+ * forgets the writes at host waits only, as before steps began with a barrier. */
 
 #define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
@@ -692,6 +699,10 @@ static int run_cmds(cuda_backend *cb) {
  * for it; the command list is empty afterwards, the pinned buffers still in use. */
 static void step_launch(cuda_backend *cb) {
     if (cb->n_cmds || cb->n_params || cb->n_stage) {
+        /* every step starts with the parameter block's copy: a full barrier behind the steps
+         * launched before (a copy waits for all earlier work of the stream, and the kernels after
+         * it for the copy), so a kernel may read before its PDL wait what those steps wrote */
+        if (!cb->n_params) (void)params(cb, 1);
         const double t0 = now_ms();
         cb->n_steps++;
         gentry *hit = NULL, *victim = NULL;
@@ -765,6 +776,7 @@ static void step_launch(cuda_backend *cb) {
     cb->n_params = 0;
     cb->n_stage = 0;
     cb->sig_hash = 0xcbf29ce484222325ULL;
+    if (!cb->sw_at_wait) df_step_writes_reset(&cb->sw); /* the next step starts behind this one */
 }
 
 /* Waits for every launched step; then frees the buffers they may have used and forgets their
@@ -790,8 +802,7 @@ static void step_run(cuda_backend *cb) {
 }
 
 /* backend.h `submit`: launches the recorded step without waiting; the next step records into
- * the other pinned buffer pair, after the step that used that pair last has finished. Kernels
- * of the next step still treat this step's writes as not done (step_writes.h) until a wait. */
+ * the other pinned buffer pair, after the step that used that pair last has finished. */
 static void cu_submit(df_backend *be) {
     cuda_backend *cb = cub(be);
     if (!cb->n_cmds && !cb->n_params && !cb->n_stage) return;
@@ -814,6 +825,15 @@ static void cu_submit(df_backend *be) {
     }
     cb->hparams = cb->hp_buf[cb->pb];
     cb->hstage = cb->hs_buf[cb->pb];
+}
+
+/* backend.h `read_ahead`: submit returns once the step submitted before the one it launches
+ * has finished (the pinned buffer pairs alternate), so every step but the last submitted one is
+ * done; the copy runs on the legacy default stream, which does not wait for this backend's
+ * non-blocking stream. */
+static void cu_read_ahead(df_backend *be, void *dst, const void *src, size_t n) {
+    cuda_backend *cb = cub(be);
+    if (n) check(cb, (int)cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "read_ahead");
 }
 
 /* ---- memory ops -------------------------------------------------------------------------------- */
@@ -1921,6 +1941,51 @@ static void cu_argmax(df_backend *be, const float *x, int rows, int width, int32
     }
 }
 
+typedef struct a_top_k {
+    const float *x;
+    int width, k;
+    int32_t *ids;
+    float *vals;
+} a_top_k;
+
+static int run_top_k(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_top_k *a = args;
+    return dfk_top_k(a->x, a->width, a->k, a->ids, a->vals);
+}
+
+/* backend.h `top_k`: the kernels' 512-byte result read back; rows wider than the kernels take
+ * go to the host whole. */
+static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals) {
+    cuda_backend *cb = cub(be);
+    if (width > dfk_top_k_max_width()) {
+        float *row = malloc((size_t)width * sizeof(float));
+        if (!row) {
+            fail(cb, "CUDA backend: out of host memory for top_k");
+            return;
+        }
+        cu_to_host(be, row, x, (size_t)width * sizeof(float));
+        df_top_k_host(row, width, k, ids, vals);
+        free(row);
+        return;
+    }
+    if (!cb->tk && !(cb->tk = dmalloc(cb, 128 * sizeof(int32_t)))) {
+        fail(cb, "CUDA backend: out of device memory for top_k");
+        return;
+    }
+    a_top_k a;
+    memset(&a, 0, sizeof a);
+    a.x = x;
+    a.width = width;
+    a.k = k;
+    a.ids = (int32_t *)cb->tk;
+    a.vals = (float *)cb->tk + 64;
+    record(cb, run_top_k, "top_k", &a, sizeof a);
+    step_run(cb);
+    if (check(cb, (int)cudaMemcpy(ids, a.ids, (size_t)k * sizeof(int32_t), cudaMemcpyDeviceToHost), "top_k"))
+        check(cb, (int)cudaMemcpy(vals, a.vals, (size_t)k * sizeof(float), cudaMemcpyDeviceToHost), "top_k");
+}
+
 /* ---- construction ---------------------------------------------------------------------------------- */
 
 static void cu_destroy(df_backend *be) {
@@ -1939,7 +2004,7 @@ static void cu_destroy(df_backend *be) {
     }
     free(cb->w);
     void *bufs[] = {cb->xf,      cb->xs,   cb->xb,   cb->part, cb->conv_out, cb->ids,
-                    cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf, cb->dstage};
+                    cb->dparams, cb->hbuf, cb->lbuf, cb->mbuf, cb->dstage, cb->tk};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) dfree(cb, bufs[i]);
     for (int i = 0; i < DFK_QMAX; i++) {
         dfree(cb, cb->qx[i]);
@@ -1983,12 +2048,23 @@ static void cu_destroy(df_backend *be) {
     .dyn_conv = cu_dyn_conv, \
     .gdn = cu_gdn, \
     .argmax = cu_argmax, \
+    .top_k = cu_top_k, \
     .linears = cu_linears, \
     .linear_add = cu_linear_add, \
     .gdn_to = cu_gdn_to, \
     .gdn_states = cu_gdn_states,
 
 static const df_backend_ops cuda_ops = {
+    CUDA_OPS_COMMON
+    .embed_dev = cu_embed_dev,
+    .argmax_dev = cu_argmax_dev,
+    .submit = cu_submit,
+    .read_ahead = cu_read_ahead,
+};
+
+/* DFLASH_CUDA_READ_AHEAD=0 (experiments: greedy plain decoding records each step after reading
+ * the previous step's token, for same-binary comparisons) */
+static const df_backend_ops cuda_ops_no_ahead = {
     CUDA_OPS_COMMON
     .embed_dev = cu_embed_dev,
     .argmax_dev = cu_argmax_dev,
@@ -2029,7 +2105,12 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     const char *sbw = getenv("DFLASH_CUDA_SUBMIT");
     cb->submit_waits = sbw && strcmp(sbw, "0") == 0;
     const char *idd = getenv("DFLASH_CUDA_IDS_DEV");
-    cb->base.ops = idd && strcmp(idd, "0") == 0 ? &cuda_ops_host_ids : &cuda_ops;
+    const char *rah = getenv("DFLASH_CUDA_READ_AHEAD");
+    cb->base.ops = idd && strcmp(idd, "0") == 0   ? &cuda_ops_host_ids
+                   : rah && strcmp(rah, "0") == 0 ? &cuda_ops_no_ahead
+                                                  : &cuda_ops;
+    const char *swt = getenv("DFLASH_CUDA_SW_AT_WAIT"); /* 1: forget writes at host waits only (experiments) */
+    cb->sw_at_wait = swt && strcmp(swt, "1") == 0;
     cb->base.n_threads = 1;
     df_step_writes_init(&cb->sw);
     const char *lin = getenv("DFLASH_CUDA_LINEAR");

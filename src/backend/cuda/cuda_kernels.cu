@@ -1144,6 +1144,86 @@ extern "C" int dfk_argmax(const float *x, int rows, int width, int32_t *out, int
     return launch_status();
 }
 
+/* Top k of one row (backend.h `top_k`): TK_PARTS blocks each sort their slice (up to TK_SORT
+ * entries) as 64-bit keys (the value's order bits, then the complement of the index, so that a
+ * larger key ranks higher: value descending, lower index first on ties) by a bitonic network in
+ * shared memory and keep their 64 best; one block sorts those and writes the k best (each value
+ * read back from the row, as it is: -0 stays -0). A NaN
+ * anywhere gives ids[0] = -1. The order is exact (a total order on keys), so any split gives
+ * the same list. */
+#define TK_PARTS 64
+#define TK_SORT 4096
+__device__ unsigned long long g_tk_key[TK_PARTS * 64];
+__device__ int g_tk_nan[TK_PARTS];
+
+static __device__ unsigned long long tk_key(float v, int i) {
+    unsigned u = __float_as_uint(v == 0.0f ? 0.0f : v); /* -0 and +0: one key, ties by index */
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (unsigned long long)(~(unsigned)i);
+}
+
+/* Sorts n (a power of two) keys of shared memory in descending order; every thread calls it. */
+static __device__ void tk_sort_desc(unsigned long long *k, int n) {
+    for (int size = 2; size <= n; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
+                const int i = 2 * t - (t & (stride - 1)), j = i + stride;
+                const unsigned long long a = k[i], b = k[j];
+                if ((a < b) == ((i & size) == 0)) {
+                    k[i] = b;
+                    k[j] = a;
+                }
+            }
+            __syncthreads();
+        }
+}
+
+__global__ void __launch_bounds__(512) k_topk_part(const float *x, int width, int chunk) {
+    K_TR_ENTRY();
+    __shared__ unsigned long long keys[TK_SORT];
+    const int lo = (int)blockIdx.x * chunk, hi = lo + chunk < width ? lo + chunk : width;
+    int nan = 0;
+    for (int t = threadIdx.x; t < TK_SORT; t += blockDim.x) {
+        const int i = lo + t;
+        unsigned long long key = 0; /* below every real key: padding */
+        if (i < hi) {
+            const float v = x[i];
+            if (isnan(v)) nan = 1;
+            else key = tk_key(v, i);
+        }
+        keys[t] = key;
+    }
+    nan = __syncthreads_or(nan);
+    tk_sort_desc(keys, TK_SORT);
+    for (int t = threadIdx.x; t < 64; t += blockDim.x) g_tk_key[blockIdx.x * 64 + t] = keys[t];
+    if (threadIdx.x == 0) g_tk_nan[blockIdx.x] = nan;
+}
+
+__global__ void __launch_bounds__(1024) k_topk_merge(const float *x, int parts, int k, int32_t *ids, float *vals) {
+    K_TR_ENTRY();
+    __shared__ unsigned long long keys[TK_PARTS * 64];
+    int nan = 0;
+    for (int t = threadIdx.x; t < TK_PARTS * 64; t += blockDim.x) keys[t] = t < parts * 64 ? g_tk_key[t] : 0ull;
+    for (int t = threadIdx.x; t < parts; t += blockDim.x) nan |= g_tk_nan[t];
+    nan = __syncthreads_or(nan);
+    tk_sort_desc(keys, TK_PARTS * 64);
+    for (int t = threadIdx.x; t < k; t += blockDim.x) {
+        const int32_t i = (int32_t)(~(unsigned)(keys[t] & 0xffffffffu));
+        vals[t] = x[i];
+        ids[t] = nan && t == 0 ? -1 : i;
+    }
+}
+
+extern "C" int dfk_top_k_max_width(void) { return TK_PARTS * TK_SORT; }
+
+extern "C" int dfk_top_k(const float *x, int width, int k, int32_t *ids, float *vals) {
+    if (width < 1 || width > TK_PARTS * TK_SORT || k < 1 || k > 64 || k > width) return (int)cudaErrorInvalidValue;
+    const int chunk = (width + TK_PARTS - 1) / TK_PARTS;
+    k_topk_part<<<TK_PARTS, 512, 0, g_stream>>>(x, width, chunk);
+    k_topk_merge<<<1, 1024, 0, g_stream>>>(x, TK_PARTS, k, ids, vals);
+    return launch_status();
+}
+
 /* ---- attention ----------------------------------------------------------------------------- */
 
 #define QK_PREP_THREADS 128

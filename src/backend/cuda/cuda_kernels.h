@@ -252,6 +252,13 @@ int dfk_swiglu(const float *gate, const float *up, size_t n, float *out);
  * maximum is infinite: -1 for df_argmax's rule) into out (device int32 [rows]). */
 int dfk_argmax(const float *x, int rows, int width, int32_t *out, int32_t bad);
 
+/* The k (1..64) best entries of one row x[0..width) (value descending, the lower index first on
+ * ties) into ids[k], vals[k] (device memory); ids[0] = -1 when the row holds a NaN. width up to
+ * dfk_top_k_max_width() (262144); cudaErrorInvalidValue beyond, or for k outside 1..min(64,
+ * width). */
+int dfk_top_k(const float *x, int width, int k, int32_t *ids, float *vals);
+int dfk_top_k_max_width(void);
+
 /* ---- attention ------------------------------------------------------------------------------ */
 
 /* Per row m and head: q heads (when q != NULL) RMSNorm (q_norm) + partial RoPE in place;
