@@ -1121,6 +1121,17 @@ static void gdn_states_check(df_backend *be, const df_gdn_shape *sh, const float
             dget(be, h2, dcs[1][l], csz * 4);
             if (memcmp(h1, h2, csz * 4) != 0) fail_msg("gdn_states (dk %d): layer %d, M = %d: conv state differs", dk, l, M);
         }
+        /* a gdn recorded right after gdn_states (one step: gdn_states may run on a second stream)
+         * reads the states it wrote: the same bits as after the per-layer calls */
+        be->ops->gdn_states(be, sh, M, NL, L);
+        be->ops->gdn(be, sh, L[0].qkv, L[0].z, L[0].a, L[0].b, conv_w, A_log[0], dt, nw, M, dcs[0][0], dS[0][0], NULL);
+        for (int l = 0; l < NL; l++)
+            be->ops->gdn(be, sh, L[l].qkv, L[l].z, L[l].a, L[l].b, conv_w, A_log[l], dt, nw, M, dcs[1][l], dS[1][l],
+                         NULL);
+        be->ops->gdn(be, sh, L[0].qkv, L[0].z, L[0].a, L[0].b, conv_w, A_log[0], dt, nw, M, dcs[1][0], dS[1][0], NULL);
+        dget(be, h1, dS[0][0], ssz * 4);
+        dget(be, h2, dS[1][0], ssz * 4);
+        if (memcmp(h1, h2, ssz * 4) != 0) fail_msg("gdn after gdn_states in one step (dk %d, M = %d): state differs", dk, M);
     }
     gpu_ok(be, "gdn_states");
     printf("gdn_states (dk %d): %d layers at once == one gdn per layer, M = 1, 3, 7\n", dk, NL);

@@ -113,6 +113,10 @@ typedef struct cuda_backend {
     int32_t *hp_buf[2];
     unsigned char *hs_buf[2];
     cudaEvent_t pev[2];
+    cudaStream_t side;      /* gdn_states runs here, beside the commands after it (DFLASH_CUDA_SIDE=0: not) */
+    cudaEvent_t ev_fork, ev_join;
+    int forked;             /* run_cmds: work is queued on `side` and not yet joined */
+    int use_side;
     int pev_set[2];
     int pb;
     int in_flight;              /* steps launched since the last wait */
@@ -546,7 +550,10 @@ static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
  * DFLASH_CUDA_IDS_DEV=0 leaves out submit, embed_dev, argmax_dev and read_ahead, so that
  * speculative decoding takes its ids through the host, each pass awaited, and
  * DFLASH_CUDA_READ_AHEAD=0 read_ahead alone (same-binary comparisons); DFLASH_CUDA_SW_AT_WAIT=1
- * forgets the writes at host waits only, as before steps began with a barrier. */
+ * forgets the writes at host waits only, as before steps began with a barrier. A step's
+ * gdn_states (the settle of a speculative round) runs on a second stream beside the commands
+ * recorded after it, joined before the next GDN command and at the step's end (run_gdn_multi;
+ * DFLASH_CUDA_SIDE=0: in line). */
 
 #define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
@@ -676,6 +683,8 @@ static int skip_listed(const char *list, const char *name) {
     return 0;
 }
 
+static int side_join(cuda_backend *cb);
+
 static int run_cmds(cuda_backend *cb) {
     int st = 0;
     dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
@@ -691,6 +700,11 @@ static int run_cmds(cuda_backend *cb) {
             if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", cb->cmds[i].what);
             else fail(cb, "%s: CUDA error: %s", cb->cmds[i].what, cudaGetErrorString((cudaError_t)st));
         }
+    }
+    const int js = side_join(cb); /* the step ends with everything it queued joined (and a capture needs it) */
+    if (js && !st) {
+        st = js;
+        fail(cb, "step: CUDA error: %s", cudaGetErrorString((cudaError_t)st));
     }
     return st;
 }
@@ -1750,7 +1764,8 @@ typedef struct a_gdn {
 static int g_gdn_fused = 1; /* DFLASH_CUDA_GDN_FUSED=0: conv and recurrence as two kernels */
 
 static int run_gdn(cuda_backend *cb, const void *args) {
-    (void)cb;
+    const int js = side_join(cb); /* GDN states a gdn_states beside it may be writing */
+    if (js) return js;
     const a_gdn *g = args;
     const gdn_dims *d = &g->d;
     if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH && d->M >= 1)
@@ -1802,11 +1817,33 @@ typedef struct a_gdn_multi {
     gdn_dims d;
 } a_gdn_multi;
 
+/* gdn_states on the side stream: it forks from the main stream where it is recorded (after
+ * every command before it) and runs beside the commands after it (in a speculative round: the
+ * drafter's context update and pass, which read no GDN state), until a command that reads the
+ * GDN states or the end of the step joins it (side_join). */
 static int run_gdn_multi(cuda_backend *cb, const void *args) {
-    (void)cb;
     const a_gdn_multi *g = args;
     const gdn_dims *d = &g->d;
-    return dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
+    if (!cb->use_side) return dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
+    int st = 0;
+    if (!cb->forked) {
+        st = (int)cudaEventRecord(cb->ev_fork, cb->stream);
+        if (st == 0) st = (int)cudaStreamWaitEvent(cb->side, cb->ev_fork, 0);
+        if (st) return st;
+        cb->forked = 1;
+    }
+    dfk_set_stream(cb->side);
+    st = dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
+    dfk_set_stream(cb->stream);
+    return st;
+}
+
+/* The main stream waits for the work queued on the side stream (run_gdn_multi). */
+static int side_join(cuda_backend *cb) {
+    if (!cb->forked) return 0;
+    cb->forked = 0;
+    int st = (int)cudaEventRecord(cb->ev_join, cb->side);
+    return st ? st : (int)cudaStreamWaitEvent(cb->stream, cb->ev_join, 0);
 }
 
 /* backend.h `gdn_states`: the layers' job table goes with the step's parameters; two launches
@@ -2023,6 +2060,9 @@ static void cu_destroy(df_backend *be) {
         if (cb->pev[i]) cudaEventDestroy(cb->pev[i]);
     }
     if (cb->stream) cudaStreamDestroy(cb->stream);
+    if (cb->side) cudaStreamDestroy(cb->side);
+    if (cb->ev_fork) cudaEventDestroy(cb->ev_fork);
+    if (cb->ev_join) cudaEventDestroy(cb->ev_join);
     free(cb);
 }
 
@@ -2109,6 +2149,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->base.ops = idd && strcmp(idd, "0") == 0   ? &cuda_ops_host_ids
                    : rah && strcmp(rah, "0") == 0 ? &cuda_ops_no_ahead
                                                   : &cuda_ops;
+    const char *sde = getenv("DFLASH_CUDA_SIDE");
+    cb->use_side = !(sde && strcmp(sde, "0") == 0);
     const char *swt = getenv("DFLASH_CUDA_SW_AT_WAIT"); /* 1: forget writes at host waits only (experiments) */
     cb->sw_at_wait = swt && strcmp(swt, "1") == 0;
     cb->base.n_threads = 1;
@@ -2199,7 +2241,10 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
         cudaEventCreateWithFlags(&cb->pev[0], cudaEventDisableTiming) != cudaSuccess ||
         cudaEventCreateWithFlags(&cb->pev[1], cudaEventDisableTiming) != cudaSuccess ||
         !(cb->graphs = calloc(DF_CUDA_MAX_GRAPHS, sizeof *cb->graphs)) ||
-        cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess) {
+        cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&cb->ev_fork, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming) != cudaSuccess) {
         cudaGetLastError();
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
