@@ -2094,22 +2094,14 @@ static void cu_destroy(df_backend *be) {
     .gdn_to = cu_gdn_to, \
     .gdn_states = cu_gdn_states,
 
-static const df_backend_ops cuda_ops = {
-    CUDA_OPS_COMMON
-    .embed_dev = cu_embed_dev,
-    .argmax_dev = cu_argmax_dev,
-    .submit = cu_submit,
-    .read_ahead = cu_read_ahead,
-};
+/* token ids in backend memory (backend.h) */
+#define CUDA_OPS_IDS .embed_dev = cu_embed_dev, .argmax_dev = cu_argmax_dev, .submit = cu_submit,
+
+static const df_backend_ops cuda_ops = {CUDA_OPS_COMMON CUDA_OPS_IDS.read_ahead = cu_read_ahead};
 
 /* DFLASH_CUDA_READ_AHEAD=0 (experiments: greedy plain decoding records each step after reading
  * the previous step's token, for same-binary comparisons) */
-static const df_backend_ops cuda_ops_no_ahead = {
-    CUDA_OPS_COMMON
-    .embed_dev = cu_embed_dev,
-    .argmax_dev = cu_argmax_dev,
-    .submit = cu_submit,
-};
+static const df_backend_ops cuda_ops_no_ahead = {CUDA_OPS_COMMON CUDA_OPS_IDS};
 
 /* DFLASH_CUDA_IDS_DEV=0 (experiments: the speculative round's ids through the host, each pass
  * awaited, for same-binary comparisons) */
