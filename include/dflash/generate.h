@@ -203,10 +203,13 @@ void df_gen_result_free(df_gen_result *r);
  * result: df_decode_tokens_per_second(r->n_ids - 1, r->decode_ms). */
 double df_decode_tokens_per_second(int tokens_after_first, double decode_ms);
 
-/* Generates from prompt ids with a session of eng (the session is reset first).
- * Errors: DF_ERR_RANGE when the prompt does not fit the session's context,
- * DF_ERR_INVALID_ARG for bad ids or params, DF_ERR_NUMERIC when the model's logits for a
- * token are not finite (NaN, infinite maximum); the result is filled even when stopped early. */
+/* Generates from prompt ids with a session of eng (the session is reset first). Greedy
+ * decoding without logprobs or forced ids queues each step before the previous token is read,
+ * so after a stop the session may hold one position past the last token: start the next
+ * generation with df_generate again. Errors: DF_ERR_RANGE when the prompt does not fit the
+ * session's context, DF_ERR_INVALID_ARG for bad ids or params, DF_ERR_NUMERIC when the model's
+ * logits for a token are not finite (NaN, infinite maximum); the result is filled even when
+ * stopped early. */
 df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const df_gen_params *params,
                       df_gen_callback cb, void *user, df_gen_result *res, df_error *err);
 
