@@ -289,18 +289,19 @@ static inline float exp_nonpos(float x) {
     return r;
 }
 
-/* probs[i] = e^((logits[i] - mx) · inv_t) for i < n; returns their sum (in double, four
- * interleaved partial sums added in a fixed order). */
-static double softmax_terms(const float *restrict logits, int n, float mx, float inv_t, float *restrict probs) {
+/* probs[i] = e^((logits[i] - mx) / t) for i < n; returns their sum (in double, four interleaved
+ * partial sums added in a fixed order). A division, not a product by 1/t: a temperature whose
+ * reciprocal overflows (a float below 2^-126) must still give 0 for the best logit. */
+static double softmax_terms(const float *restrict logits, int n, float mx, float t, float *restrict probs) {
     int j = 0;
 #ifdef __AVX2__
     /* exp_nonpos eight at a time: the same operations in the same order (no fused multiply-add),
      * so the same bits */
-    const __m256 vmx = _mm256_set1_ps(mx), vit = _mm256_set1_ps(inv_t), l2e = _mm256_set1_ps(1.44269504f);
+    const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t), l2e = _mm256_set1_ps(1.44269504f);
     const __m256 lo = _mm256_set1_ps(-126.0f), magic = _mm256_set1_ps(12582912.0f), cut = _mm256_set1_ps(-87.0f);
     const float cf[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
     for (; j + 8 <= n; j += 8) {
-        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vmx), vit);
+        const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + j), vmx), vt);
         const __m256 tc = _mm256_max_ps(_mm256_mul_ps(x, l2e), lo);
         const __m256 nn = _mm256_sub_ps(_mm256_add_ps(tc, magic), magic);
         const __m256 f = _mm256_sub_ps(tc, nn);
@@ -311,7 +312,7 @@ static double softmax_terms(const float *restrict logits, int n, float mx, float
         _mm256_storeu_ps(probs + j, _mm256_and_ps(r, _mm256_cmp_ps(x, cut, _CMP_GE_OQ)));
     }
 #endif
-    for (; j < n; j++) probs[j] = exp_nonpos((logits[j] - mx) * inv_t);
+    for (; j < n; j++) probs[j] = exp_nonpos((logits[j] - mx) / t);
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
     int i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -345,14 +346,14 @@ static int32_t sample_tail(df_sampler *s, const float *logits, int32_t *idx, int
     const df_sampling_params *p = &s->p;
     float *probs = s->probs; /* indexed by token id */
     /* softmax with temperature over the candidates, unnormalised (the best one has 1) */
-    const float inv_t = 1.0f / p->temperature;
+    const float t = p->temperature;
     double sum = 0.0;
     if (all) {
-        sum = softmax_terms(logits, n, mx, inv_t, probs);
+        sum = softmax_terms(logits, n, mx, t, probs);
     } else {
         for (int i = 0; i < n; i++) {
             const int32_t id = idx[i];
-            probs[id] = exp_nonpos((logits[id] - mx) * inv_t);
+            probs[id] = exp_nonpos((logits[id] - mx) / t);
             sum += probs[id];
         }
     }

@@ -127,6 +127,14 @@ static json_t *required_string(const json_t *obj, const char *key, const char *p
     return NULL;
 }
 
+/* The shortest "%g" text of x that reads back as x (2.0000001 is not "2"). */
+static void shortest_text(char *buf, size_t n, double x) {
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, n, "%.*g", prec, x);
+        if (strtod(buf, NULL) == x) break;
+    }
+}
+
 /* A number field in [lo, hi] (lo excluded when lo_open). *out untouched when omitted. */
 static int get_number(const json_t *obj, const char *key, const char *param, double lo, int lo_open, double hi,
                       float *out, df_api_error *e) {
@@ -137,11 +145,7 @@ static int get_number(const json_t *obj, const char *key, const char *param, dou
     double x = big ? 0 : json_number_value(v);
     if (big || !isfinite(x) || x < lo || (lo_open && x == lo) || x > hi) {
         char got[32];
-        /* the shortest text that reads back as the value: 2.0000001 is not "2" */
-        for (int prec = 6; prec <= 17; prec++) {
-            snprintf(got, sizeof got, "%.*g", prec, x);
-            if (strtod(got, NULL) == x) break;
-        }
+        shortest_text(got, sizeof got, x);
         return df_api_error_set(e, 400, INVALID, "invalid_value", param,
                                 "Invalid '%s': expected a value %s %g and <= %g, but got %s instead.", param,
                                 lo_open ? ">" : ">=", lo, hi, big ? big : got);
@@ -176,7 +180,7 @@ static int get_integer(const json_t *obj, const char *key, const char *param, lo
             in_range = x >= lo && x <= hi;
             snprintf(got, sizeof got, "%lld", x);
         } else {
-            snprintf(got, sizeof got, "%g", r);
+            shortest_text(got, sizeof got, r);
         }
     } else {
         return type_error(e, param, "an integer", v);

@@ -756,6 +756,8 @@ def test_error_details_and_log_lines_are_exact():
         assert r.status_code == 400 and "but got 2.0000001 instead" in r.json()["error"]["message"], r.text
         r = post(s.url, "/v1/chat/completions", {"messages": msgs("hi"), "logit_bias": {"5": -100.0000001}})
         assert r.status_code == 400 and "-100.0000001" in r.json()["error"]["message"], r.text
+        r = post(s.url, "/v1/chat/completions", {"messages": msgs("hi"), "seed": 9.2233720368547758e18})
+        assert r.status_code == 400 and "but got 9.223372036854776e+18 instead" in r.json()["error"]["message"], r.text
         r = post(s.url, "/v1/completions", {"prompt": [[1, 2], [1] * 5000], "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
         r = post(s.url, "/v1/chat/completions", {"model": "other", "messages": msgs("hi")})

@@ -309,6 +309,32 @@ static void test_sample_from_top_k(void **state) {
     free(l);
 }
 
+/* A temperature so small that its reciprocal is not a float (a subnormal, down to the smallest)
+ * still samples the best token, with every filter (the terms are (l - max) / T, never
+ * (l - max) * (1 / T), whose 0 * inf would be NaN). */
+static void test_tiny_temperature(void **state) {
+    (void)state;
+    enum { V = 3000 };
+    float *l = malloc(V * sizeof *l);
+    for (int i = 0; i < V; i++) l[i] = (float)((i * 37) % 101) * 0.01f - 0.5f;
+    l[1234] = 2.0f;
+    const float ts[4] = {1e-40f, 1e-44f, 1.4e-45f, 1e-30f};
+    for (int a = 0; a < 4; a++)
+        for (int f = 0; f < 4; f++) {
+            df_sampling_params p = df_sampling_default();
+            p.temperature = ts[a];
+            p.top_k = f == 1 ? 2 : (f == 2 ? 1000 : 0);
+            p.min_p = f == 3 ? 0.5f : 0.0f;
+            p.seed = 3;
+            p.has_seed = 1;
+            df_sampler s;
+            df_sampler_init(&s, &p);
+            for (int d = 0; d < 5; d++) assert_int_equal(df_sampler_sample(&s, l, V), 1234);
+            df_sampler_free(&s);
+        }
+    free(l);
+}
+
 static void test_processors(void **state) {
     (void)state;
     float l[6] = {2, -2, 1, 0, 0.5f, 3};
@@ -360,6 +386,7 @@ int main(void) {
         cmocka_unit_test(test_seed_reproducible_and_truncation),
         cmocka_unit_test(test_filters_large_vocab),
         cmocka_unit_test(test_sample_from_top_k),
+        cmocka_unit_test(test_tiny_temperature),
         cmocka_unit_test(test_processors),
         cmocka_unit_test(test_token_info),
     };
