@@ -236,15 +236,17 @@ static void capture_plane(df_session *s, int plane, const float *src, int M) {
     s->be->ops->to_host(s->be, dst, src, (size_t)M * H * sizeof(float));
 }
 
-/* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. (ids on the host, or d_ids in
- * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
- * the greedy tokens into argmax (host) or d_argmax (backend memory). */
+/* Where a one-row forward leaves the k best logits (backend.h `top_k`). */
 typedef struct top_k_out {
     int k;
     int32_t *ids;
     float *vals;
 } top_k_out;
 
+/* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. (ids on the host, or d_ids in
+ * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
+ * the greedy tokens into argmax (host) or d_argmax (backend memory), or the k best logits of
+ * the one row into tk. */
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
                               int32_t *argmax, int32_t *d_argmax, const top_k_out *tk, int logits_from, df_error *err);
 
@@ -272,7 +274,6 @@ df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids
 }
 
 df_status df_greedy_begin(df_session *s, df_greedy *g, int32_t first, df_error *err) {
-    /* (on failure nothing is left to end) */
     df_backend *be = s->be;
     memset(g, 0, sizeof *g);
     g->prev = first;

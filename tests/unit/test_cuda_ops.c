@@ -1132,6 +1132,16 @@ static void gdn_states_check(df_backend *be, const df_gdn_shape *sh, const float
         dget(be, h1, dS[0][0], ssz * 4);
         dget(be, h2, dS[1][0], ssz * 4);
         if (memcmp(h1, h2, ssz * 4) != 0) fail_msg("gdn after gdn_states in one step (dk %d, M = %d): state differs", dk, M);
+        /* copies into the states it writes, recorded after it in one step, land after it */
+        be->ops->gdn_states(be, sh, M, NL, L);
+        be->ops->to_device(be, dS[0][1], S0, ssz * 4);
+        be->ops->zero(be, dcs[0][2], csz * 4);
+        be->ops->copy(be, dS[0][2], dS[0][1], ssz * 4);
+        dget(be, h1, dS[0][2], ssz * 4);
+        if (memcmp(h1, S0, ssz * 4) != 0) fail_msg("a copy after gdn_states in one step (dk %d, M = %d) was overwritten", dk, M);
+        dget(be, h1, dcs[0][2], csz * 4);
+        for (size_t i = 0; i < csz; i++)
+            if (h1[i] != 0.0f) fail_msg("a zero after gdn_states in one step (dk %d, M = %d) was overwritten", dk, M);
     }
     gpu_ok(be, "gdn_states");
     printf("gdn_states (dk %d): %d layers at once == one gdn per layer, M = 1, 3, 7\n", dk, NL);

@@ -117,6 +117,8 @@ typedef struct cuda_backend {
     cudaEvent_t ev_fork, ev_join;
     int forked;             /* run_cmds: work is queued on `side` and not yet joined */
     int use_side;
+    struct side_range { const char *p; size_t n; } *side_rng; /* the state buffers the step's side work writes */
+    size_t n_side_rng, cap_side_rng;
     int pev_set[2];
     int pb;
     int in_flight;              /* steps launched since the last wait */
@@ -552,8 +554,8 @@ static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
  * DFLASH_CUDA_READ_AHEAD=0 read_ahead alone (same-binary comparisons); DFLASH_CUDA_SW_AT_WAIT=1
  * forgets the writes at host waits only, as before steps began with a barrier. A step's
  * gdn_states (the settle of a speculative round) runs on a second stream beside the commands
- * recorded after it, joined before the next GDN command and at the step's end (run_gdn_multi;
- * DFLASH_CUDA_SIDE=0: in line). */
+ * recorded after it, joined before the next GDN command, before a copy into or out of the
+ * states it writes, and at the step's end (run_gdn_multi; DFLASH_CUDA_SIDE=0: in line). */
 
 #define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
@@ -791,6 +793,7 @@ static void step_launch(cuda_backend *cb) {
     cb->n_stage = 0;
     cb->sig_hash = 0xcbf29ce484222325ULL;
     if (!cb->sw_at_wait) df_step_writes_reset(&cb->sw); /* the next step starts behind this one */
+    cb->n_side_rng = 0; /* the step's side work is joined at its end */
 }
 
 /* Waits for every launched step; then frees the buffers they may have used and forgets their
@@ -904,10 +907,24 @@ typedef struct a_copy {
     size_t n;
     size_t stage; /* h2d: offset in the staging buffer */
     int kind;     /* 0 d2d, 1 h2d, 2 memset */
+    int join;     /* it touches GDN states that gdn_states may be writing on the side stream */
 } a_copy;
+
+/* 1 when [p, p + n) overlaps a state buffer that gdn_states, recorded earlier in this step,
+ * writes on the side stream (run_gdn_multi). */
+static int side_overlaps(const cuda_backend *cb, const void *p, size_t n) {
+    const char *q = p;
+    for (size_t i = 0; q && i < cb->n_side_rng; i++)
+        if (q < cb->side_rng[i].p + cb->side_rng[i].n && cb->side_rng[i].p < q + n) return 1;
+    return 0;
+}
 
 static int run_copy(cuda_backend *cb, const void *args) {
     const a_copy *a = args;
+    if (a->join) {
+        const int js = side_join(cb);
+        if (js) return js;
+    }
     if (a->kind == 2) return (int)cudaMemsetAsync(a->dst, 0, a->n, cb->stream);
     if (a->kind == 1) return (int)cudaMemcpyAsync(a->dst, cb->dstage + a->stage, a->n, cudaMemcpyDeviceToDevice, cb->stream);
     return (int)cudaMemcpyAsync(a->dst, a->src, a->n, cudaMemcpyDeviceToDevice, cb->stream);
@@ -931,6 +948,7 @@ static void cu_to_device(df_backend *be, void *dst, const void *src, size_t n) {
     a.n = n;
     a.stage = cb->n_stage;
     a.kind = 1;
+    a.join = side_overlaps(cb, dst, n);
     memcpy(cb->hstage + cb->n_stage, src, n);
     cb->n_stage += (n + 15) / 16 * 16;
     record(cb, run_copy, "to_device", &a, sizeof a);
@@ -959,6 +977,7 @@ static void cu_copy(df_backend *be, void *dst, const void *src, size_t n) {
     a.dst = dst;
     a.src = src;
     a.n = n;
+    a.join = side_overlaps(cb, dst, n) || side_overlaps(cb, src, n);
     record(cb, run_copy, "copy", &a, sizeof a);
 }
 
@@ -967,10 +986,15 @@ typedef struct a_copy_rows {
     const void *src;
     size_t dpitch, spitch, width;
     int rows;
+    int join; /* as a_copy's */
 } a_copy_rows;
 
 static int run_copy_rows(cuda_backend *cb, const void *args) {
     const a_copy_rows *a = args;
+    if (a->join) {
+        const int js = side_join(cb);
+        if (js) return js;
+    }
     return (int)cudaMemcpy2DAsync(a->dst, a->dpitch, a->src, a->spitch, a->width, (size_t)a->rows,
                                   cudaMemcpyDeviceToDevice, cb->stream);
 }
@@ -988,17 +1012,21 @@ static void cu_copy_rows(df_backend *be, void *dst, size_t dst_pitch, const void
     a.spitch = src_pitch;
     a.width = row_bytes;
     a.rows = rows;
+    a.join = side_overlaps(cb, dst, (size_t)(rows - 1) * dst_pitch + row_bytes) ||
+             side_overlaps(cb, src, (size_t)(rows - 1) * src_pitch + row_bytes);
     record(cb, run_copy_rows, "copy_rows", &a, sizeof a);
 }
 
 static void cu_zero(df_backend *be, void *dst, size_t n) {
     if (!n) return;
+    cuda_backend *cb = cub(be);
     a_copy a;
     memset(&a, 0, sizeof a);
     a.dst = dst;
     a.n = n;
     a.kind = 2;
-    record(cub(be), run_copy, "zero", &a, sizeof a);
+    a.join = side_overlaps(cb, dst, n);
+    record(cb, run_copy, "zero", &a, sizeof a);
 }
 
 /* ---- ops ------------------------------------------------------------------------------------------ */
@@ -1819,8 +1847,8 @@ typedef struct a_gdn_multi {
 
 /* gdn_states on the side stream: it forks from the main stream where it is recorded (after
  * every command before it) and runs beside the commands after it (in a speculative round: the
- * drafter's context update and pass, which read no GDN state), until a command that reads the
- * GDN states or the end of the step joins it (side_join). */
+ * drafter's context update and pass, which touch no GDN state), until a GDN command, a copy that
+ * overlaps the states it writes (side_overlaps), or the end of the step joins it (side_join). */
 static int run_gdn_multi(cuda_backend *cb, const void *args) {
     const a_gdn_multi *g = args;
     const gdn_dims *d = &g->d;
@@ -1844,6 +1872,25 @@ static int side_join(cuda_backend *cb) {
     cb->forked = 0;
     int st = (int)cudaEventRecord(cb->ev_join, cb->side);
     return st ? st : (int)cudaStreamWaitEvent(cb->stream, cb->ev_join, 0);
+}
+
+/* Notes a buffer that the step's side work writes (side_overlaps); 0 (the backend failed) when
+ * out of memory. */
+static int side_note(cuda_backend *cb, const void *p, size_t n) {
+    if (cb->n_side_rng == cb->cap_side_rng) {
+        const size_t cap = cb->cap_side_rng ? 2 * cb->cap_side_rng : 128;
+        struct side_range *r = realloc(cb->side_rng, cap * sizeof *r);
+        if (!r) {
+            fail(cb, "CUDA backend: out of host memory");
+            return 0;
+        }
+        cb->side_rng = r;
+        cb->cap_side_rng = cap;
+    }
+    cb->side_rng[cb->n_side_rng].p = p;
+    cb->side_rng[cb->n_side_rng].n = n;
+    cb->n_side_rng++;
+    return 1;
 }
 
 /* backend.h `gdn_states`: the layers' job table goes with the step's parameters; two launches
@@ -1880,6 +1927,11 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
             J.S = L->S;
             df_step_writes_note(&cb->sw, L->conv_state, 0);
             df_step_writes_note(&cb->sw, L->S, 0);
+            if (cb->use_side) { /* copies after it into or out of these wait for it */
+                const size_t conv_bytes = (size_t)(g.d.K - 1) * (size_t)g.d.C * sizeof(float);
+                const size_t ssm_bytes = (size_t)g.d.nv * (size_t)g.d.dk * (size_t)g.d.dv * sizeof(float);
+                if (!side_note(cb, L->conv_state, conv_bytes) || !side_note(cb, L->S, ssm_bytes)) return;
+            }
             J.conv_out = cb->conv_out + (size_t)i * per;
             if (!J.conv_w || !J.A_log || !J.dt_bias || !J.norm_w) {
                 if (!be->failed) fail(cb, "gdn: missing weights");
@@ -2054,6 +2106,7 @@ static void cu_destroy(df_backend *be) {
     free(cb->a);
     free(cb->cmds);
     free(cb->dfree_later);
+    free(cb->side_rng);
     for (int i = 0; i < 2; i++) {
         if (cb->hp_buf[i]) cudaFreeHost(cb->hp_buf[i]);
         if (cb->hs_buf[i]) cudaFreeHost(cb->hs_buf[i]);
