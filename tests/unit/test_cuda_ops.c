@@ -1121,8 +1121,8 @@ static void gdn_states_check(df_backend *be, const df_gdn_shape *sh, const float
             dget(be, h2, dcs[1][l], csz * 4);
             if (memcmp(h1, h2, csz * 4) != 0) fail_msg("gdn_states (dk %d): layer %d, M = %d: conv state differs", dk, l, M);
         }
-        /* a gdn recorded right after gdn_states (one step: gdn_states may run on a second stream)
-         * reads the states it wrote: the same bits as after the per-layer calls */
+        /* a gdn recorded right after gdn_states in one step reads the states it wrote: the same
+         * bits as after the per-layer calls */
         be->ops->gdn_states(be, sh, M, NL, L);
         be->ops->gdn(be, sh, L[0].qkv, L[0].z, L[0].a, L[0].b, conv_w, A_log[0], dt, nw, M, dcs[0][0], dS[0][0], NULL);
         for (int l = 0; l < NL; l++)

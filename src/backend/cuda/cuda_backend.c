@@ -113,12 +113,6 @@ typedef struct cuda_backend {
     int32_t *hp_buf[2];
     unsigned char *hs_buf[2];
     cudaEvent_t pev[2];
-    cudaStream_t side;      /* gdn_states runs here, beside the commands after it (DFLASH_CUDA_SIDE=0: not) */
-    cudaEvent_t ev_fork, ev_join;
-    int forked;             /* run_cmds: work is queued on `side` and not yet joined */
-    int use_side;
-    struct side_range { const char *p; size_t n; } *side_rng; /* the state buffers the step's side work writes */
-    size_t n_side_rng, cap_side_rng;
     int pev_set[2];
     int pb;
     int in_flight;              /* steps launched since the last wait */
@@ -552,10 +546,7 @@ static const wentry *dlin_(cuda_backend *cb, const df_linear *L, int kind) {
  * DFLASH_CUDA_IDS_DEV=0 leaves out submit, embed_dev, argmax_dev and read_ahead, so that
  * speculative decoding takes its ids through the host, each pass awaited, and
  * DFLASH_CUDA_READ_AHEAD=0 read_ahead alone (same-binary comparisons); DFLASH_CUDA_SW_AT_WAIT=1
- * forgets the writes at host waits only, as before steps began with a barrier. A step's
- * gdn_states (the settle of a speculative round) runs on a second stream beside the commands
- * recorded after it, joined before the next GDN command, before a copy into or out of the
- * states it writes, and at the step's end (run_gdn_multi; DFLASH_CUDA_SIDE=0: in line). */
+ * forgets the writes at host waits only, as before steps began with a barrier. */
 
 #define CMD_ARGS 640
 #define DF_CUDA_MAX_PARAMS 65536
@@ -685,8 +676,6 @@ static int skip_listed(const char *list, const char *name) {
     return 0;
 }
 
-static int side_join(cuda_backend *cb);
-
 static int run_cmds(cuda_backend *cb) {
     int st = 0;
     dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
@@ -702,11 +691,6 @@ static int run_cmds(cuda_backend *cb) {
             if (st < 0) fail(cb, "%s: unsupported shape on the CUDA backend", cb->cmds[i].what);
             else fail(cb, "%s: CUDA error: %s", cb->cmds[i].what, cudaGetErrorString((cudaError_t)st));
         }
-    }
-    const int js = side_join(cb); /* the step ends with everything it queued joined (and a capture needs it) */
-    if (js && !st) {
-        st = js;
-        fail(cb, "step: CUDA error: %s", cudaGetErrorString((cudaError_t)st));
     }
     return st;
 }
@@ -793,7 +777,6 @@ static void step_launch(cuda_backend *cb) {
     cb->n_stage = 0;
     cb->sig_hash = 0xcbf29ce484222325ULL;
     if (!cb->sw_at_wait) df_step_writes_reset(&cb->sw); /* the next step starts behind this one */
-    cb->n_side_rng = 0; /* the step's side work is joined at its end */
 }
 
 /* Waits for every launched step; then frees the buffers they may have used and forgets their
@@ -907,24 +890,10 @@ typedef struct a_copy {
     size_t n;
     size_t stage; /* h2d: offset in the staging buffer */
     int kind;     /* 0 d2d, 1 h2d, 2 memset */
-    int join;     /* it touches GDN states that gdn_states may be writing on the side stream */
 } a_copy;
-
-/* 1 when [p, p + n) overlaps a state buffer that gdn_states, recorded earlier in this step,
- * writes on the side stream (run_gdn_multi). */
-static int side_overlaps(const cuda_backend *cb, const void *p, size_t n) {
-    const char *q = p;
-    for (size_t i = 0; q && i < cb->n_side_rng; i++)
-        if (q < cb->side_rng[i].p + cb->side_rng[i].n && cb->side_rng[i].p < q + n) return 1;
-    return 0;
-}
 
 static int run_copy(cuda_backend *cb, const void *args) {
     const a_copy *a = args;
-    if (a->join) {
-        const int js = side_join(cb);
-        if (js) return js;
-    }
     if (a->kind == 2) return (int)cudaMemsetAsync(a->dst, 0, a->n, cb->stream);
     if (a->kind == 1) return (int)cudaMemcpyAsync(a->dst, cb->dstage + a->stage, a->n, cudaMemcpyDeviceToDevice, cb->stream);
     return (int)cudaMemcpyAsync(a->dst, a->src, a->n, cudaMemcpyDeviceToDevice, cb->stream);
@@ -948,7 +917,6 @@ static void cu_to_device(df_backend *be, void *dst, const void *src, size_t n) {
     a.n = n;
     a.stage = cb->n_stage;
     a.kind = 1;
-    a.join = side_overlaps(cb, dst, n);
     memcpy(cb->hstage + cb->n_stage, src, n);
     cb->n_stage += (n + 15) / 16 * 16;
     record(cb, run_copy, "to_device", &a, sizeof a);
@@ -977,7 +945,6 @@ static void cu_copy(df_backend *be, void *dst, const void *src, size_t n) {
     a.dst = dst;
     a.src = src;
     a.n = n;
-    a.join = side_overlaps(cb, dst, n) || side_overlaps(cb, src, n);
     record(cb, run_copy, "copy", &a, sizeof a);
 }
 
@@ -986,15 +953,10 @@ typedef struct a_copy_rows {
     const void *src;
     size_t dpitch, spitch, width;
     int rows;
-    int join; /* as a_copy's */
 } a_copy_rows;
 
 static int run_copy_rows(cuda_backend *cb, const void *args) {
     const a_copy_rows *a = args;
-    if (a->join) {
-        const int js = side_join(cb);
-        if (js) return js;
-    }
     return (int)cudaMemcpy2DAsync(a->dst, a->dpitch, a->src, a->spitch, a->width, (size_t)a->rows,
                                   cudaMemcpyDeviceToDevice, cb->stream);
 }
@@ -1012,21 +974,17 @@ static void cu_copy_rows(df_backend *be, void *dst, size_t dst_pitch, const void
     a.spitch = src_pitch;
     a.width = row_bytes;
     a.rows = rows;
-    a.join = side_overlaps(cb, dst, (size_t)(rows - 1) * dst_pitch + row_bytes) ||
-             side_overlaps(cb, src, (size_t)(rows - 1) * src_pitch + row_bytes);
     record(cb, run_copy_rows, "copy_rows", &a, sizeof a);
 }
 
 static void cu_zero(df_backend *be, void *dst, size_t n) {
     if (!n) return;
-    cuda_backend *cb = cub(be);
     a_copy a;
     memset(&a, 0, sizeof a);
     a.dst = dst;
     a.n = n;
     a.kind = 2;
-    a.join = side_overlaps(cb, dst, n);
-    record(cb, run_copy, "zero", &a, sizeof a);
+    record(cub(be), run_copy, "zero", &a, sizeof a);
 }
 
 /* ---- ops ------------------------------------------------------------------------------------------ */
@@ -1792,8 +1750,7 @@ typedef struct a_gdn {
 static int g_gdn_fused = 1; /* DFLASH_CUDA_GDN_FUSED=0: conv and recurrence as two kernels */
 
 static int run_gdn(cuda_backend *cb, const void *args) {
-    const int js = side_join(cb); /* GDN states a gdn_states beside it may be writing */
-    if (js) return js;
+    (void)cb;
     const a_gdn *g = args;
     const gdn_dims *d = &g->d;
     if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH && d->M >= 1)
@@ -1845,52 +1802,11 @@ typedef struct a_gdn_multi {
     gdn_dims d;
 } a_gdn_multi;
 
-/* gdn_states on the side stream: it forks from the main stream where it is recorded (after
- * every command before it) and runs beside the commands after it (in a speculative round: the
- * drafter's context update and pass, which touch no GDN state), until a GDN command, a copy that
- * overlaps the states it writes (side_overlaps), or the end of the step joins it (side_join). */
 static int run_gdn_multi(cuda_backend *cb, const void *args) {
+    (void)cb;
     const a_gdn_multi *g = args;
     const gdn_dims *d = &g->d;
-    if (!cb->use_side) return dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
-    int st = 0;
-    if (!cb->forked) {
-        st = (int)cudaEventRecord(cb->ev_fork, cb->stream);
-        if (st == 0) st = (int)cudaStreamWaitEvent(cb->side, cb->ev_fork, 0);
-        if (st) return st;
-        cb->forked = 1;
-    }
-    dfk_set_stream(cb->side);
-    st = dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
-    dfk_set_stream(cb->stream);
-    return st;
-}
-
-/* The main stream waits for the work queued on the side stream (run_gdn_multi). */
-static int side_join(cuda_backend *cb) {
-    if (!cb->forked) return 0;
-    cb->forked = 0;
-    int st = (int)cudaEventRecord(cb->ev_join, cb->side);
-    return st ? st : (int)cudaStreamWaitEvent(cb->stream, cb->ev_join, 0);
-}
-
-/* Notes a buffer that the step's side work writes (side_overlaps); 0 (the backend failed) when
- * out of memory. */
-static int side_note(cuda_backend *cb, const void *p, size_t n) {
-    if (cb->n_side_rng == cb->cap_side_rng) {
-        const size_t cap = cb->cap_side_rng ? 2 * cb->cap_side_rng : 128;
-        struct side_range *r = realloc(cb->side_rng, cap * sizeof *r);
-        if (!r) {
-            fail(cb, "CUDA backend: out of host memory");
-            return 0;
-        }
-        cb->side_rng = r;
-        cb->cap_side_rng = cap;
-    }
-    cb->side_rng[cb->n_side_rng].p = p;
-    cb->side_rng[cb->n_side_rng].n = n;
-    cb->n_side_rng++;
-    return 1;
+    return dfk_gdn_multi(g->jobs, g->n, d->C, d->K, d->nk, d->nv, d->dk, d->dv, d->eps, d->M);
 }
 
 /* backend.h `gdn_states`: the layers' job table goes with the step's parameters; two launches
@@ -1927,11 +1843,6 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
             J.S = L->S;
             df_step_writes_note(&cb->sw, L->conv_state, 0);
             df_step_writes_note(&cb->sw, L->S, 0);
-            if (cb->use_side) { /* copies after it into or out of these wait for it */
-                const size_t conv_bytes = (size_t)(g.d.K - 1) * (size_t)g.d.C * sizeof(float);
-                const size_t ssm_bytes = (size_t)g.d.nv * (size_t)g.d.dk * (size_t)g.d.dv * sizeof(float);
-                if (!side_note(cb, L->conv_state, conv_bytes) || !side_note(cb, L->S, ssm_bytes)) return;
-            }
             J.conv_out = cb->conv_out + (size_t)i * per;
             if (!J.conv_w || !J.A_log || !J.dt_bias || !J.norm_w) {
                 if (!be->failed) fail(cb, "gdn: missing weights");
@@ -2106,16 +2017,12 @@ static void cu_destroy(df_backend *be) {
     free(cb->a);
     free(cb->cmds);
     free(cb->dfree_later);
-    free(cb->side_rng);
     for (int i = 0; i < 2; i++) {
         if (cb->hp_buf[i]) cudaFreeHost(cb->hp_buf[i]);
         if (cb->hs_buf[i]) cudaFreeHost(cb->hs_buf[i]);
         if (cb->pev[i]) cudaEventDestroy(cb->pev[i]);
     }
     if (cb->stream) cudaStreamDestroy(cb->stream);
-    if (cb->side) cudaStreamDestroy(cb->side);
-    if (cb->ev_fork) cudaEventDestroy(cb->ev_fork);
-    if (cb->ev_join) cudaEventDestroy(cb->ev_join);
     free(cb);
 }
 
@@ -2194,8 +2101,6 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     cb->base.ops = idd && strcmp(idd, "0") == 0   ? &cuda_ops_host_ids
                    : rah && strcmp(rah, "0") == 0 ? &cuda_ops_no_ahead
                                                   : &cuda_ops;
-    const char *sde = getenv("DFLASH_CUDA_SIDE");
-    cb->use_side = !(sde && strcmp(sde, "0") == 0);
     const char *swt = getenv("DFLASH_CUDA_SW_AT_WAIT"); /* 1: forget writes at host waits only (experiments) */
     cb->sw_at_wait = swt && strcmp(swt, "1") == 0;
     cb->base.n_threads = 1;
@@ -2286,10 +2191,7 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
         cudaEventCreateWithFlags(&cb->pev[0], cudaEventDisableTiming) != cudaSuccess ||
         cudaEventCreateWithFlags(&cb->pev[1], cudaEventDisableTiming) != cudaSuccess ||
         !(cb->graphs = calloc(DF_CUDA_MAX_GRAPHS, sizeof *cb->graphs)) ||
-        cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreateWithFlags(&cb->ev_fork, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventCreateWithFlags(&cb->ev_join, cudaEventDisableTiming) != cudaSuccess) {
+        cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) != cudaSuccess) {
         cudaGetLastError();
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
