@@ -200,9 +200,11 @@ static int set_value(const cli_command *cmd, cli_opt *o, const char *v) {
         /* decimal only: strtod would also take hex floats ("0x1"), "inf" and "nan" */
         if (strpbrk(v, "xXnN")) return bad_value(cmd, o, v, "expected a number");
         double x = strtod(v, &end);
-        if (errno || end == v || *end || !isfinite(x) || isspace((unsigned char)v[0]))
+        const int erange = errno == ERANGE; /* past the double range: overflow, or underflow to ~0 */
+        if ((errno && !erange) || end == v || *end || isspace((unsigned char)v[0]))
             return bad_value(cmd, o, v, "expected a number");
-        if (!in_range(o, x)) return range_error(cmd, o, v);
+        /* as the server, whose JSON numbers parse the same way: 1e400 is out of range, 1e-400 is 0 */
+        if (!isfinite(x) || !in_range(o, x)) return range_error(cmd, o, v);
         float f = (float)x;
         /* above an open lower bound, a value float32 rounds onto the bound is the next float */
         if (o->kind == CLI_FLOAT_GT && f <= (float)o->lo) f = o->lo == 0 ? FLT_MIN : nextafterf((float)o->lo, INFINITY);

@@ -301,13 +301,21 @@ def test_readme_lists_every_generate_and_serve_option():
 
 
 def test_top_p_range_matches_the_server():
-    """--top-p takes (0, 1] like the server's top_p; a size limit's error prints an integer."""
+    """--top-p takes (0, 1] like the server's top_p, and numbers past the double range are judged
+    as the server judges them; a size limit's error prints an integer."""
     for v in ("0", "-0.5", "1.5"):
         p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
         assert p.returncode == 2 and "above 0 and at most 1" in p.stderr, (v, p.stderr)
     for v in ("1e-7", "1"):
         p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", v)
         assert p.returncode == 0, (v, p.stderr)
+    # past the double range, as the server's JSON numbers: 1e400 is out of range, 1e-400 is 0
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--top-p", "1e-400")
+    assert p.returncode == 2 and "above 0 and at most 1" in p.stderr, p.stderr
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--temperature", "1e400")
+    assert p.returncode == 2 and "from 0 to 2" in p.stderr, p.stderr
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "1", "--temperature", "1e-400")
+    assert p.returncode == 0, p.stderr
     p = run_cli("serve", "--max-body", "99999999999")
     assert p.returncode == 2 and "from 1024 to 1073741824" in p.stderr, p.stderr
 
