@@ -102,12 +102,13 @@ typedef struct cuda_backend {
     struct cmd *cmds;
     size_t n_cmds, cap_cmds;
     uint64_t sig_hash;
-    int32_t *hparams, *dparams; /* pinned host / device, DF_CUDA_MAX_PARAMS ints */
+    int32_t *dparams;           /* device, DF_CUDA_MAX_PARAMS ints (the host side: hparams()) */
     size_t n_params;
-    unsigned char *hstage;      /* pinned staging of host-to-device copies */
     unsigned char *dstage;      /* their device copy (DF_CUDA_STAGE_BYTES, allocated at the first to_device) */
     size_t n_stage;
-    /* submitted steps (cu_submit): the pinned buffers above are pair pb of hp_buf / hs_buf; a
+    /* submitted steps (cu_submit): the pinned parameter block and staging buffer (hparams(),
+     * hstage(): pinned host memory, DF_CUDA_MAX_PARAMS ints and DF_CUDA_STAGE_BYTES) are pair pb
+     * of hp_buf / hs_buf; a
      * step launched without waiting leaves its pair to its copies and the next step takes the
      * other one, once the step that used it last (event pev[]) is done */
     int32_t *hp_buf[2];
@@ -143,6 +144,10 @@ typedef struct cuda_backend {
     double host_weights_ms, host_record_ms;   /* df_cuda_stats (with host_profile) */
     long n_recorded;                          /* commands recorded */
 } cuda_backend;
+
+/* The pinned parameter block and staging buffer that the step being recorded fills: pair pb. */
+static inline int32_t *hparams(const cuda_backend *cb) { return cb->hp_buf[cb->pb]; }
+static inline unsigned char *hstage(const cuda_backend *cb) { return cb->hs_buf[cb->pb]; }
 
 static cuda_backend *cub(df_backend *be) { return (cuda_backend *)be; }
 
@@ -680,10 +685,10 @@ static int run_cmds(cuda_backend *cb) {
     int st = 0;
     dfk_set_stream(cb->stream); /* the launchers' stream (one backend runs at a time) */
     if (cb->n_params)
-        st = (int)cudaMemcpyAsync(cb->dparams, cb->hparams, cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
+        st = (int)cudaMemcpyAsync(cb->dparams, hparams(cb), cb->n_params * sizeof(int32_t), cudaMemcpyHostToDevice,
                                   cb->stream);
     if (cb->n_stage && st == 0)
-        st = (int)cudaMemcpyAsync(cb->dstage, cb->hstage, cb->n_stage, cudaMemcpyHostToDevice, cb->stream);
+        st = (int)cudaMemcpyAsync(cb->dstage, hstage(cb), cb->n_stage, cudaMemcpyHostToDevice, cb->stream);
     for (size_t i = 0; i < cb->n_cmds && st == 0; i++) {
         if (cb->profile_skip[0] && skip_listed(cb->profile_skip, cb->cmds[i].what)) continue;
         st = cb->cmds[i].fn(cb, cb->cmds[i].args);
@@ -790,8 +795,6 @@ static void step_wait(cuda_backend *cb) {
     cb->in_flight = 0;
     cb->pev_set[0] = cb->pev_set[1] = 0;
     cb->pb = 0;
-    cb->hparams = cb->hp_buf[0];
-    cb->hstage = cb->hs_buf[0];
     cb->t_step_end = now_ms();
 }
 
@@ -823,8 +826,6 @@ static void cu_submit(df_backend *be) {
         if (e != cudaSuccess && !cb->base.failed) fail(cb, "submit: CUDA error: %s", cudaGetErrorString(e));
         cb->pev_set[cb->pb] = 0;
     }
-    cb->hparams = cb->hp_buf[cb->pb];
-    cb->hstage = cb->hs_buf[cb->pb];
 }
 
 /* backend.h `read_ahead`: submit returns once the step submitted before the one it launches
@@ -917,7 +918,7 @@ static void cu_to_device(df_backend *be, void *dst, const void *src, size_t n) {
     a.n = n;
     a.stage = cb->n_stage;
     a.kind = 1;
-    memcpy(cb->hstage + cb->n_stage, src, n);
+    memcpy(hstage(cb) + cb->n_stage, src, n);
     cb->n_stage += (n + 15) / 16 * 16;
     record(cb, run_copy, "to_device", &a, sizeof a);
 }
@@ -1021,7 +1022,7 @@ static void embed_rows(cuda_backend *cb, const df_linear *E, const int32_t *ids,
         size_t off = 0;
         if (!d_ids) {
             off = params(cb, DFK_MAX_ROWS);
-            for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < mm ? ids[m0 + m] : 0;
+            for (int m = 0; m < DFK_MAX_ROWS; m++) hparams(cb)[off + (size_t)m] = m < mm ? ids[m0 + m] : 0;
         }
         a_embed a;
         memset(&a, 0, sizeof a);
@@ -1663,14 +1664,14 @@ static int attn_prep(cuda_backend *cb, const df_attn_shape *sh, float *q, float 
     if (q_norm && !(a->qn = dvec(cb, q_norm, (size_t)hd))) return 0;
     if (k_norm && !(a->kn = dvec(cb, k_norm, (size_t)hd))) return 0;
     const size_t off = params(cb, DFK_MAX_ROWS + 2);
-    for (int m = 0; m < DFK_MAX_ROWS; m++) cb->hparams[off + (size_t)m] = m < M ? positions[m] : 0;
-    cb->hparams[off + DFK_MAX_ROWS] = pos0;
+    for (int m = 0; m < DFK_MAX_ROWS; m++) hparams(cb)[off + (size_t)m] = m < M ? positions[m] : 0;
+    hparams(cb)[off + DFK_MAX_ROWS] = pos0;
     /* the cache rows the kernels read before the PDL wait: those no kernel of this step writes
      * (this op's own preparation writes rows pos0 .. pos0 + M - 1) */
     df_step_writes_note(&cb->sw, k_cache, pos0);
     df_step_writes_note(&cb->sw, v_cache, pos0);
     const int wk = df_step_writes_first(&cb->sw, k_cache), wv = df_step_writes_first(&cb->sw, v_cache);
-    cb->hparams[off + DFK_MAX_ROWS + 1] = wk < wv ? wk : wv;
+    hparams(cb)[off + DFK_MAX_ROWS + 1] = wk < wv ? wk : wv;
     a->q = q;
     a->k = k;
     a->v = v;
@@ -1827,7 +1828,7 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
         const int nn = n - i0 < chunk ? n - i0 : chunk;
         size_t off = params(cb, (size_t)nn * job_ints + 1);
         off += off & 1; /* 8-byte aligned pointers */
-        dfk_gdn_job *jobs = (dfk_gdn_job *)(void *)(cb->hparams + off);
+        dfk_gdn_job *jobs = (dfk_gdn_job *)(void *)(hparams(cb) + off);
         for (int i = 0; i < nn; i++) {
             const df_gdn_layer *L = &layers[i0 + i];
             dfk_gdn_job J;
@@ -2196,8 +2197,6 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
         cu_destroy(&cb->base);
         return df_error_set(err, DF_ERR_NOMEM, "CUDA backend: out of memory");
     }
-    cb->hparams = cb->hp_buf[0];
-    cb->hstage = cb->hs_buf[0];
     /* experiments: the kernel timeline of the process's last steps, written to this file when
      * the backend is destroyed (cuda_trace.cuh; tools/trace_report.py reads it) */
     const char *trace = getenv("DFLASH_CUDA_TRACE");
