@@ -191,8 +191,12 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err);
 /* Hadamard helpers shared by backends and tests: in-place Sylvester Walsh–Hadamard transform
  * of each `block`-wide chunk of x[n] scaled by 1/sqrt(block) (float32 butterflies, fixed order). */
 void df_hadamard_inplace(float *x, int n, int block);
-/* backend.h `top_k` on host memory (a NaN scan, then a bounded insertion pass in index order). */
+/* backend.h `top_k` on host memory (a NaN scan, then df_top_k_insert). */
 void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals);
+/* The k (>= 1) best of x[0..width) into ids[0..n) and vals[0..n), n = min(k, width), in rank
+ * order (value descending, the lower index first on ties): a bounded insertion pass in index
+ * order, O(width · k) at worst, for small k; returns n. No NaN check (a NaN never enters). */
+int df_top_k_insert(const float *x, int width, int k, int32_t *ids, float *vals);
 /* Rounds to the nearest fp16 value (round-to-nearest-even), returned as float. */
 float df_round_f16(float x);
 

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #endif
 
+#include "backend/backend.h"
 #include "dflash/generate.h"
 
 df_sampling_params df_sampling_default(void) {
@@ -75,19 +76,14 @@ void df_token_info_compute(df_token_info *info, const float *logits, int n_vocab
     const double lse = (double)mx + log(sum);
     info->id = id;
     info->logprob = (float)((double)logits[id] - lse);
-    /* top n by a bounded insertion pass (highest first, lower id first on ties) */
-    int len = 0;
-    for (int i = 0; i < n_vocab && n_top > 0; i++) {
-        float v = logits[i];
-        if (len == n_top && !(v > logits[info->top[len - 1].id])) continue;
-        int pos = len < n_top ? len++ : n_top - 1;
-        while (pos > 0 && v > logits[info->top[pos - 1].id]) {
-            info->top[pos] = info->top[pos - 1];
-            pos--;
-        }
-        info->top[pos].id = i;
+    /* the n_top best (highest first, lower id first on ties) */
+    int32_t ids[DF_MAX_TOP_LOGPROBS];
+    float vals[DF_MAX_TOP_LOGPROBS];
+    const int len = n_top > 0 ? df_top_k_insert(logits, n_vocab, n_top, ids, vals) : 0;
+    for (int k = 0; k < len; k++) {
+        info->top[k].id = ids[k];
+        info->top[k].logprob = (float)((double)vals[k] - lse);
     }
-    for (int k = 0; k < len; k++) info->top[k].logprob = (float)((double)logits[info->top[k].id] - lse);
     info->n_top = len;
 }
 
@@ -160,23 +156,6 @@ static int cmp_desc(const void *a, const void *b, void *ctx) {
     if (x > y) return -1;
     if (x < y) return 1;
     return (i > j) - (i < j);
-}
-
-/* The k best ids of logits[0..n) into idx[0..k), in rank order (cmp_desc): a bounded insertion
- * pass, for small k (up to DF_SAMPLE_TOP_MAX). */
-static int select_top_k(const float *logits, int32_t *idx, int n, int k) {
-    int len = 0;
-    for (int i = 0; i < n; i++) {
-        const float v = logits[i];
-        if (len == k && !(v > logits[idx[len - 1]])) continue;
-        int pos = len < k ? len++ : k - 1;
-        while (pos > 0 && v > logits[idx[pos - 1]]) {
-            idx[pos] = idx[pos - 1];
-            pos--;
-        }
-        idx[pos] = i;
-    }
-    return len;
 }
 
 /* The bits of a non-NaN float as an unsigned key in the order of the values (-0 taken as +0, so
@@ -399,7 +378,8 @@ int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
     /* the candidates: idx[0..n), or every id while all is set */
     int n = n_vocab, all = 1;
     if (p->top_k > 0 && p->top_k < n) {
-        n = p->top_k <= DF_SAMPLE_TOP_MAX ? select_top_k(logits, idx, n_vocab, p->top_k)
+        float vals[DF_SAMPLE_TOP_MAX];
+        n = p->top_k <= DF_SAMPLE_TOP_MAX ? df_top_k_insert(logits, n_vocab, p->top_k, idx, vals)
                                           : select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
         all = 0;
     }

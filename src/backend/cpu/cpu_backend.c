@@ -599,15 +599,9 @@ static void cpu_argmax(df_backend *be, const float *x, int rows, int width, int3
     for (int r = 0; r < rows; r++) out[r] = df_argmax(x + (size_t)r * (size_t)width, width);
 }
 
-/* backend.h df_top_k_host: a NaN scan, then a bounded insertion pass in index order (a later
- * entry enters only when strictly greater, so ties keep the lower index first). */
-void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals) {
-    for (int i = 0; i < width; i++)
-        if (isnan(x[i])) {
-            ids[0] = -1;
-            vals[0] = x[i];
-            return;
-        }
+/* backend.h df_top_k_insert: a later entry enters only when strictly greater than the last
+ * kept one, so ties keep the lower index first. */
+int df_top_k_insert(const float *x, int width, int k, int32_t *ids, float *vals) {
     int len = 0;
     for (int i = 0; i < width; i++) {
         const float v = x[i];
@@ -621,6 +615,18 @@ void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals) 
         ids[pos] = i;
         vals[pos] = v;
     }
+    return len;
+}
+
+/* backend.h df_top_k_host. */
+void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals) {
+    for (int i = 0; i < width; i++)
+        if (isnan(x[i])) {
+            ids[0] = -1;
+            vals[0] = x[i];
+            return;
+        }
+    (void)df_top_k_insert(x, width, k, ids, vals);
 }
 
 /* backend.h `read_ahead`: every op has run when it returns here. */
