@@ -188,7 +188,7 @@ for s in $STEPS; do
     # the kernel timeline of speculative rounds (τ = 2.7, block 4): steps split at k_embed, so a
     # verify pass (with the settle and the drafter's context after it), then a drafter pass
     DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/dflash-gpu" bench --model /tmp/p27 --ctx 1024 --gen 32 --block 4 \
-      --synthetic-acceptance 2.7 --no-verify-curve --repeats 1 2>&1 | grep -E "synthetic|per round|phase" | tee -a "$OUT/summary.txt"
+      --synthetic-acceptance 2.7 --no-verify-curve --repeats 1 ${SPEC_ARGS:-} 2>&1 | grep -E "synthetic|per round|phase" | tee -a "$OUT/summary.txt"
     timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=${TRACE_STEPS:--5,-4,-3,-2} --list 900 > "$OUT/trace_spec.txt" 2>&1
     grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_spec.txt" | tee -a "$OUT/summary.txt"
     rm -f /tmp/trace.bin ;;
@@ -199,7 +199,7 @@ for s in $STEPS; do
         printf -- "-- %s round %s: " "$v" "$r" | tee -a "$OUT/summary.txt"
         # BASE=1: the baseline binary (prebuilt/dflash-gpu-base, from tools/gpu_sync.sh BASE_BUILD)
         exe="$BIN/dflash-gpu"; case "$v" in *BASE=1*) exe="$BIN/dflash-gpu-base" ;; esac
-        env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen ${AB_GEN:-64} --no-verify-curve 2>&1 | grep -E "plain decode|host time|commands recorded" | tee -a "$OUT/summary.txt"
+        env ${v//,/ } timeout 100 "$exe" bench --model /tmp/p27t --ctx 1024 --gen ${AB_GEN:-64} --no-verify-curve 2>&1 | grep -E "plain decode|host time|commands recorded|generate loop" | tee -a "$OUT/summary.txt"
       done
     done ;;
   gen)

@@ -89,7 +89,6 @@ typedef struct df_sampler {
     /* scratch, grown on demand */
     float *probs;
     int32_t *idx;
-    float *lg;
     df_sampler_work *work;
     int cap;
 } df_sampler;
@@ -102,7 +101,8 @@ void df_sampler_free(df_sampler *s);
  * with temperature over them, then top-p (the fewest best candidates whose probabilities sum to
  * at least top_p of theirs), then min-p (those with at least min_p times the best one's
  * probability). O(n_vocab) time, plus a sort of the few candidates that share a 22-bit
- * prefix of their logit with the last one each filter keeps.
+ * prefix of their logit with the last one each filter keeps. With 0 < top_k <= 64 (< n_vocab)
+ * everything after the top-k is df_sample_top_list (backend.h), as a device computes it.
  * Returns -1 when the logits are not usable (a NaN among them, or an infinite maximum: a
  * broken pack or computation), as df_argmax. */
 int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab);
@@ -120,6 +120,10 @@ int df_sampler_top_k_only(const df_sampler *s, int n_vocab);
  * when ids[0] is -1 (the logits held a NaN), the best logit is infinite, or the list is not such
  * a list (an id outside the vocabulary, a NaN, values out of order). */
 int32_t df_sampler_sample_top(df_sampler *s, const int32_t *ids, const float *vals, int k, int n_vocab);
+/* The sampler's next 53 random bits (the uniform u·2^-53 of a draw): one per token drawn, as
+ * df_sampler_sample and df_sampler_sample_top take them; for a device that draws the token
+ * itself from the same stream (df_sample_top_list, backend.h sample_top_dev). */
+uint64_t df_sampler_draw_bits(df_sampler *s);
 /* argmax over logits[n]; lowest index wins ties. -1 when a logit is NaN or the maximum is
  * infinite (checked during the same scan). */
 int32_t df_argmax(const float *logits, int n);

@@ -53,6 +53,14 @@ typedef struct df_gdn_layer {
     float *conv_state, *S;
 } df_gdn_layer;
 
+/* A draw from the k best logits of a row (sample_top_dev, df_sample_top_list): 1 <= k <= 64,
+ * temperature > 0, top_p and min_p as in df_sampling_params (off: top_p >= 1 or <= 0, min_p <=
+ * 0). */
+typedef struct df_top_draw {
+    int k;
+    float temperature, top_p, min_p;
+} df_top_draw;
+
 typedef struct df_backend_ops {
     const char *name;
     void (*destroy)(df_backend *be);
@@ -152,6 +160,13 @@ typedef struct df_backend_ops {
      * the row holds a NaN. 1 <= k <= 64, k <= width. Optional (NULL: sampling reads the whole
      * row): lets a sampler with a small top-k read k entries instead of a vocabulary of logits. */
     void (*top_k)(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals);
+    /* sample_top_dev (optional; a backend with it has the three id ops below too): the draw of
+     * df_sample_top_list from the d->k best entries of x[0..width) (backend memory, as `top_k`
+     * finds them) with the 53 random bits u, into out[0] in backend memory; -1 there when the
+     * row holds a NaN or its maximum is infinite. Lets sampled decoding keep its tokens on the
+     * device and queue each step behind the one that draws its token (df_ahead). */
+    void (*sample_top_dev)(df_backend *be, const float *x, int width, const df_top_draw *d, uint64_t u,
+                           int32_t *out);
 
     /* Token ids that stay in backend memory (optional, all three or none; NULL: ids go through
      * the host). Speculative decoding uses them to queue a round's verify pass behind its
@@ -197,6 +212,21 @@ void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals);
  * order (value descending, the lower index first on ties): a bounded insertion pass in index
  * order, O(width · k) at worst, for small k; returns n. No NaN check (a NaN never enters). */
 int df_top_k_insert(const float *x, int width, int k, int32_t *ids, float *vals);
+/* e^x for x <= 0 (0 below -87) as 2^n · 2^f: n = x·log2(e) rounded to nearest, |f| <= 1/2, 2^f
+ * by its degree-6 Taylor polynomial (relative error below 3e-7 + 1.2e-7·|x|: the polynomial, then
+ * the float32 rounding of x·log2(e)), in float32 multiplies and adds only (no fused multiply-add),
+ * so that vector code and devices give the same bits. */
+float df_exp_nonpos(float x);
+/* The token drawn from n (1..64) candidates ids[0..n) whose logits vals[0..n) are in rank order
+ * (vals[0] the largest and finite; ties: lower id first), under d and the 53 random bits u (the
+ * uniform r = u·2^-53 of [0, 1)):
+ *   p_j = df_exp_nonpos((vals[j] − vals[0]) / T) (float32, so p_0 = 1); S = Σ p_j (double, rank
+ *   order); top-p: the shortest prefix whose running sum (double, rank order) reaches top_p·S;
+ *   min-p: of those, the ones with p_j >= min_p, in order; the draw: the first kept candidate
+ *   whose running sum (double, rank order) exceeds (r·Σ kept p_j), else the last kept one.
+ * Each step is one IEEE float32 or double operation, so the CUDA backend's sample_top_dev gives
+ * the same token bit for bit. The sampler's top-k path (generate.h) is this function. */
+int32_t df_sample_top_list(const int32_t *ids, const float *vals, int n, const df_top_draw *d, uint64_t u);
 /* Rounds to the nearest fp16 value (round-to-nearest-even), returned as float. */
 float df_round_f16(float x);
 

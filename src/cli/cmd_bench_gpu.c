@@ -217,7 +217,7 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
                           df_error *err) {
     df_engine *e = s->eng;
     const int V = df_engine_vocab_size(e);
-    df_greedy g; /* the loop of df_generate: each step queued before the previous token is read */
+    df_ahead g; /* the loop of df_generate: each step queued before the previous token is read */
     int on = 0;  /* g begun */
     float *lg = malloc((size_t)V * sizeof(float));
     int32_t *out = malloc((size_t)gen * sizeof(int32_t));
@@ -239,15 +239,15 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
     int n = 1;
     for (; n < gen; n++) {
         if (df_engine_is_eos(e, out[n - 1])) break;
-        if (!on && df_greedy_begin(s, &g, out[0], err) != DF_OK) goto fail;
+        if (!on && df_ahead_begin(s, &g, out[0], NULL, err) != DF_OK) goto fail;
         on = 1;
-        if (df_greedy_next(s, &g, n + 1 < gen, &out[n], err) != DF_OK) goto fail;
+        if (df_ahead_next(s, &g, n + 1 < gen, &out[n], err) != DF_OK) goto fail;
         if (out[n] < 0) {
             df_gen_non_finite(err, n);
             goto fail;
         }
     }
-    if (on) df_greedy_end(s, &g);
+    if (on) df_ahead_end(s, &g);
     on = 0;
     sync_dev(e);
     double t2 = df_now_ms();
@@ -258,7 +258,7 @@ static int32_t *plain_run(df_session *s, const int32_t *prompt, int ctx, int gen
     *n_out = n;
     return out;
 fail:
-    if (on) df_greedy_end(s, &g);
+    if (on) df_ahead_end(s, &g);
     free(lg);
     free(out);
     return NULL;
@@ -598,8 +598,9 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                bytes / 1e9, wb / 1e9, sb / 1e9, kvb / 1e9, bw, floor_ms, 1000.0 / floor_ms, 100.0 * floor_ms / step_ms);
     }
 
-    /* the product's plain loop (df_generate, as `generate` and the server run it): greedy, and
-     * sampled, whose logits come to the host each step */
+    /* the product's plain loop (df_generate, as `generate` and the server run it): greedy;
+     * sampled without a top-k (the logits come to the host each step); sampled from a top-k
+     * (the token drawn on the device, each step queued ahead) */
     {
         const char *label[3] = {"greedy", "temperature 1, top-p 0.95", "temperature 0.7, top-k 20"};
         printf("generate loop at context %d (df_generate: prefill, then %d tokens):", o.ctx, o.gen);

@@ -92,15 +92,18 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
      * backend's argmax (the same token as df_argmax of the logits: backend.h), 4 bytes read
      * back instead of the vocabulary's logits */
     const int backend_argmax = !(params->sampling.temperature > 0.0f) && !processors && !params->logprobs;
-    /* and when no forced id can replace a greedy token, each step is queued before the token of
-     * the step before it is read (df_greedy) */
-    const int ahead = backend_argmax && params->n_forced_ids == 0;
-    df_greedy gr;
-    int greedy_on = 0;
     /* likewise a sampler with a small top-k and nothing else to apply to the logits first draws
      * from the k best, which the backend finds (the same token: df_sampler_sample_top) */
     const int backend_top_k = !backend_argmax && !params->logprobs && s->be->ops->top_k &&
                               df_sampler_top_k_only(&sm, V);
+    /* and when no forced id can replace a token, each step is queued before the token of the
+     * step before it is read (df_ahead): greedy, or sampled where the backend draws the token
+     * itself (the same token again: df_sample_top_list) */
+    const df_backend_ops *ops = s->be->ops;
+    const int ahead = params->n_forced_ids == 0 &&
+                      (backend_argmax || (backend_top_k && ops->sample_top_dev && ops->embed_dev && ops->read_ahead));
+    df_ahead gr;
+    int ahead_on = 0;
     const int K = params->sampling.top_k;
     int32_t next = -1; /* backend_argmax: the token of the last decode step */
     int32_t top_ids[DF_SAMPLE_TOP_MAX];
@@ -108,8 +111,8 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
     int have_next = 0, have_top = 0;
     while (st == DF_OK && out.finish == DF_FINISH_NONE) {
         int32_t id;
-        if (greedy_on) {
-            st = df_greedy_next(s, &gr, out.n_ids + 1 < max_tokens, &id, err);
+        if (ahead_on) {
+            st = df_ahead_next(s, &gr, out.n_ids + 1 < max_tokens, &id, err);
             if (st != DF_OK) break;
         } else if (have_next) {
             id = next;
@@ -140,8 +143,8 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
             break;
         }
         if (ahead) {
-            if (!greedy_on) st = df_greedy_begin(s, &gr, id, err); /* later steps: df_greedy_next */
-            greedy_on = 1;
+            if (!ahead_on) st = df_ahead_begin(s, &gr, id, backend_argmax ? NULL : &sm, err); /* then df_ahead_next */
+            ahead_on = 1;
         } else if (backend_argmax) {
             st = df_target_forward_argmax(s, &id, 1, &next, err);
             have_next = 1;
@@ -152,7 +155,7 @@ df_status df_generate(df_session *s, const int32_t *prompt, int n_prompt, const 
             st = df_session_decode(s, id, logits, err);
         }
     }
-    if (greedy_on) df_greedy_end(s, &gr);
+    if (ahead_on) df_ahead_end(s, &gr);
     res->decode_ms = df_now_ms() - t1;
     df_textout_finish(&out, res);
     df_sampler_free(&sm);

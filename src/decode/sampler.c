@@ -108,6 +108,8 @@ static uint64_t xoshiro_next(uint64_t s[4]) {
     return result;
 }
 
+uint64_t df_sampler_draw_bits(df_sampler *s) { return xoshiro_next(s->rng) >> 11; }
+
 void df_sampler_init(df_sampler *s, const df_sampling_params *p) {
     memset(s, 0, sizeof *s);
     s->p = *p;
@@ -124,8 +126,6 @@ void df_sampler_free(df_sampler *s) {
     free(s->probs);
     free(s->idx);
     free(s->work);
-    free(s->lg);
-    s->lg = NULL;
     s->probs = NULL;
     s->idx = NULL;
     s->work = NULL;
@@ -243,38 +243,13 @@ static int select_prefix(const float *logits, const float *p, int32_t *idx, int 
     return hi;
 }
 
-/* e^x for x <= 0 as 2^n · 2^f (n = x·log2(e) rounded, |f| <= 1/2; 2^f by its degree-6 Taylor
- * polynomial, relative error below 2e-7), 0 below -87 (where e^x leaves the normal floats):
- * branch-free, so that the loop over a vocabulary vectorizes. */
-static inline float exp_nonpos(float x) {
-    const float tc = fmaxf(x * 1.44269504f, -126.0f);
-    const float n = (tc + 12582912.0f) - 12582912.0f; /* round to nearest (|tc| < 2^22) */
-    const float f = tc - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale, r;
-    memcpy(&scale, &bits, sizeof scale);
-    r = p * scale;
-    uint32_t rb;
-    memcpy(&rb, &r, sizeof rb);
-    rb &= (uint32_t)-(int32_t)(x >= -87.0f); /* 0 below -87 */
-    memcpy(&r, &rb, sizeof r);
-    return r;
-}
-
 /* probs[i] = e^((logits[i] - mx) / t) for i < n; returns their sum (in double, four interleaved
  * partial sums added in a fixed order). A division, not a product by 1/t: a temperature whose
  * reciprocal overflows (a float below 2^-126) must still give 0 for the best logit. */
 static double softmax_terms(const float *restrict logits, int n, float mx, float t, float *restrict probs) {
     int j = 0;
 #ifdef __AVX2__
-    /* exp_nonpos eight at a time: the same operations in the same order (no fused multiply-add),
+    /* df_exp_nonpos (backend.h) eight at a time: the same operations in the same order (no fused multiply-add),
      * so the same bits */
     const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t), l2e = _mm256_set1_ps(1.44269504f);
     const __m256 lo = _mm256_set1_ps(-126.0f), magic = _mm256_set1_ps(12582912.0f), cut = _mm256_set1_ps(-87.0f);
@@ -291,7 +266,7 @@ static double softmax_terms(const float *restrict logits, int n, float mx, float
         _mm256_storeu_ps(probs + j, _mm256_and_ps(r, _mm256_cmp_ps(x, cut, _CMP_GE_OQ)));
     }
 #endif
-    for (; j < n; j++) probs[j] = exp_nonpos((logits[j] - mx) / t);
+    for (; j < n; j++) probs[j] = df_exp_nonpos((logits[j] - mx) / t);
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
     int i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -306,15 +281,13 @@ static double softmax_terms(const float *restrict logits, int n, float mx, float
 
 /* Grows the sampler's scratch to a vocabulary of n_vocab; 0 when out of memory. */
 static int sampler_scratch(df_sampler *s, int n_vocab) {
-    if (s->cap >= n_vocab && s->work && s->lg) return 1;
+    if (s->cap >= n_vocab && s->work) return 1;
     float *pr = realloc(s->probs, (size_t)n_vocab * sizeof(float));
     if (pr) s->probs = pr;
     int32_t *ix = realloc(s->idx, (size_t)n_vocab * sizeof(int32_t));
     if (ix) s->idx = ix;
-    float *lg = realloc(s->lg, (size_t)n_vocab * sizeof(float));
-    if (lg) s->lg = lg;
     if (!s->work) s->work = malloc(sizeof *s->work);
-    if (!pr || !ix || !lg || !s->work) return 0;
+    if (!pr || !ix || !s->work) return 0;
     s->cap = n_vocab;
     return 1;
 }
@@ -332,7 +305,7 @@ static int32_t sample_tail(df_sampler *s, const float *logits, int32_t *idx, int
     } else {
         for (int i = 0; i < n; i++) {
             const int32_t id = idx[i];
-            probs[id] = exp_nonpos((logits[id] - mx) / t);
+            probs[id] = df_exp_nonpos((logits[id] - mx) / t);
             sum += probs[id];
         }
     }
@@ -354,7 +327,7 @@ static int32_t sample_tail(df_sampler *s, const float *logits, int32_t *idx, int
         total = 0.0;
         for (int i = 0; i < n; i++) total += probs[idx[i]];
     }
-    double r = (double)(xoshiro_next(s->rng) >> 11) * (1.0 / 9007199254740992.0) * total;
+    double r = (double)df_sampler_draw_bits(s) * (1.0 / 9007199254740992.0) * total;
     double c = 0.0;
     for (int i = 0; i < n; i++) {
         c += probs[all ? i : idx[i]];
@@ -378,9 +351,14 @@ int32_t df_sampler_sample(df_sampler *s, float *logits, int n_vocab) {
     /* the candidates: idx[0..n), or every id while all is set */
     int n = n_vocab, all = 1;
     if (p->top_k > 0 && p->top_k < n) {
-        float vals[DF_SAMPLE_TOP_MAX];
-        n = p->top_k <= DF_SAMPLE_TOP_MAX ? df_top_k_insert(logits, n_vocab, p->top_k, idx, vals)
-                                          : select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
+        if (p->top_k <= DF_SAMPLE_TOP_MAX) { /* the k best in rank order, then df_sample_top_list */
+            float vals[DF_SAMPLE_TOP_MAX];
+            n = df_top_k_insert(logits, n_vocab, p->top_k, idx, vals);
+            return df_sample_top_list(idx, vals, n, &(df_top_draw){.k = n, .temperature = p->temperature,
+                                                                  .top_p = p->top_p, .min_p = p->min_p},
+                                      df_sampler_draw_bits(s));
+        }
+        n = select_prefix(logits, NULL, idx, n, 1, (double)p->top_k, s->work);
         all = 0;
     }
     return sample_tail(s, logits, idx, n, all, mx);
@@ -394,11 +372,9 @@ int df_sampler_top_k_only(const df_sampler *s, int n_vocab) {
 
 int32_t df_sampler_sample_top(df_sampler *s, const int32_t *ids, const float *vals, int k, int n_vocab) {
     if (k != s->p.top_k || !df_sampler_top_k_only(s, n_vocab) || ids[0] < 0 || !isfinite(vals[0])) return -1;
-    if (!sampler_scratch(s, n_vocab)) return ids[0]; /* no memory: degrade to greedy */
-    for (int j = 0; j < k; j++) {
+    for (int j = 0; j < k; j++)
         if (ids[j] < 0 || ids[j] >= n_vocab || isnan(vals[j]) || (j > 0 && vals[j] > vals[j - 1])) return -1;
-        s->idx[j] = ids[j];
-        s->lg[ids[j]] = vals[j];
-    }
-    return sample_tail(s, s->lg, s->idx, k, 0, vals[0]);
+    return df_sample_top_list(ids, vals, k, &(df_top_draw){.k = k, .temperature = s->p.temperature,
+                                                          .top_p = s->p.top_p, .min_p = s->p.min_p},
+                              df_sampler_draw_bits(s));
 }

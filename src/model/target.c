@@ -243,26 +243,33 @@ typedef struct top_k_out {
     float *vals;
 } top_k_out;
 
+/* A token drawn on the device (backend.h sample_top_dev) instead of the argmax. */
+typedef struct dev_draw {
+    const df_top_draw *d;
+    uint64_t u;
+} dev_draw;
+
 /* One tile: M <= DF_MAX_ROWS tokens at positions s->pos.. (ids on the host, or d_ids in
  * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
- * the greedy tokens into argmax (host) or d_argmax (backend memory), or the k best logits of
- * the one row into tk. */
+ * the greedy tokens into argmax (host) or d_argmax (backend memory; with dd, M = 1: the token
+ * drawn by sample_top_dev), or the k best logits of the one row into tk. */
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
-                              int32_t *argmax, int32_t *d_argmax, const top_k_out *tk, int logits_from, df_error *err);
+                              int32_t *argmax, int32_t *d_argmax, const dev_draw *dd, const top_k_out *tk,
+                              int logits_from, df_error *err);
 
 df_status df_target_forward_rows(df_session *s, const int32_t *ids, int M, float *logits, int logits_from,
                                  df_error *err) {
-    return forward_rows(s, ids, NULL, M, logits, NULL, NULL, NULL, logits_from, err);
+    return forward_rows(s, ids, NULL, M, logits, NULL, NULL, NULL, NULL, logits_from, err);
 }
 
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
-    return forward_rows(s, ids, NULL, M, NULL, argmax, NULL, NULL, 0, err);
+    return forward_rows(s, ids, NULL, M, NULL, argmax, NULL, NULL, NULL, 0, err);
 }
 
 df_status df_target_forward_argmax_dev(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err) {
     if (!s->be->ops->embed_dev || !s->be->ops->argmax_dev)
         return df_error_set(err, DF_ERR_INTERNAL, "forward: the backend keeps no token ids in its memory");
-    return forward_rows(s, NULL, ids, M, NULL, NULL, argmax, NULL, 0, err);
+    return forward_rows(s, NULL, ids, M, NULL, NULL, argmax, NULL, NULL, 0, err);
 }
 
 df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids, float *vals, df_error *err) {
@@ -270,29 +277,45 @@ df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids
     if (k < 1 || k > 64 || k > s->eng->pack->cfg.vocab_size)
         return df_error_set(err, DF_ERR_INVALID_ARG, "forward: top-k of %d", k);
     const top_k_out tk = {k, ids, vals};
-    return forward_rows(s, &id, NULL, 1, NULL, NULL, NULL, &tk, 0, err);
+    return forward_rows(s, &id, NULL, 1, NULL, NULL, NULL, NULL, &tk, 0, err);
 }
 
-df_status df_greedy_begin(df_session *s, df_greedy *g, int32_t first, df_error *err) {
+/* Records the step fed with the token in `in` (backend memory) whose token goes to `out`. */
+static df_status ahead_step(df_session *s, df_ahead *g, const int32_t *in, int32_t *out, df_error *err) {
+    const dev_draw dd = {&g->draw, g->sm ? df_sampler_draw_bits(g->sm) : 0};
+    return forward_rows(s, NULL, in, 1, NULL, NULL, out, g->sm ? &dd : NULL, NULL, 0, err);
+}
+
+df_status df_ahead_begin(df_session *s, df_ahead *g, int32_t first, df_sampler *sm, df_error *err) {
     df_backend *be = s->be;
+    const int V = s->eng->pack->cfg.vocab_size;
     memset(g, 0, sizeof *g);
     g->prev = first;
     g->t = 1;
-    if (!be->ops->embed_dev || !be->ops->argmax_dev || !be->ops->read_ahead) return DF_OK; /* one step at a time */
-    if (first < 0 || first >= s->eng->pack->cfg.vocab_size)
-        return df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", first, s->eng->pack->cfg.vocab_size);
+    if (sm) {
+        if (!be->ops->sample_top_dev || !df_sampler_top_k_only(sm, V))
+            return df_error_set(err, DF_ERR_INTERNAL, "decode: the backend cannot draw this sampler's tokens");
+        g->sm = sm;
+        g->draw = (df_top_draw){.k = sm->p.top_k, .temperature = sm->p.temperature, .top_p = sm->p.top_p,
+                                .min_p = sm->p.min_p};
+    }
+    if (!be->ops->embed_dev || !be->ops->argmax_dev || !be->ops->read_ahead) {
+        if (sm) return df_error_set(err, DF_ERR_INTERNAL, "decode: the backend keeps no token ids in its memory");
+        return DF_OK; /* one step at a time */
+    }
+    if (first < 0 || first >= V) return df_error_set(err, DF_ERR_INVALID_ARG, "token id %d outside [0, %d)", first, V);
     if (!(g->d_ids = be->ops->alloc(be, 2 * sizeof(int32_t)))) return df_error_set(err, DF_ERR_NOMEM, "out of memory");
     be->ops->to_device(be, g->d_ids, &first, sizeof first);
-    df_status st = forward_rows(s, NULL, g->d_ids, 1, NULL, NULL, g->d_ids + 1, NULL, 0, err);
+    df_status st = ahead_step(s, g, g->d_ids, g->d_ids + 1, err);
     if (st != DF_OK) {
-        df_greedy_end(s, g);
+        df_ahead_end(s, g);
         return st;
     }
     if (be->ops->submit) be->ops->submit(be);
     return DF_OK;
 }
 
-df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df_error *err) {
+df_status df_ahead_next(df_session *s, df_ahead *g, int more, int32_t *tok, df_error *err) {
     df_backend *be = s->be;
     if (!g->d_ids) {
         df_status st = df_target_forward_argmax(s, &g->prev, 1, tok, err);
@@ -301,7 +324,7 @@ df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df
     }
     int32_t *cur = g->d_ids + (g->t & 1), *nxt = g->d_ids + ((g->t + 1) & 1);
     if (more) { /* the step fed with token t, queued behind the step that makes it */
-        df_status st = forward_rows(s, NULL, cur, 1, NULL, NULL, nxt, NULL, 0, err);
+        df_status st = ahead_step(s, g, cur, nxt, err);
         if (st != DF_OK) return st;
         if (be->ops->submit) be->ops->submit(be);
         be->ops->read_ahead(be, tok, cur, sizeof *tok);
@@ -316,7 +339,7 @@ df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df
     return DF_OK;
 }
 
-void df_greedy_end(df_session *s, df_greedy *g) {
+void df_ahead_end(df_session *s, df_ahead *g) {
     if (g->d_ids) s->be->ops->dealloc(s->be, g->d_ids);
     g->d_ids = NULL;
 }
@@ -350,8 +373,20 @@ static void linear_add(df_session *s, const df_linear *W, const float *x, const 
     be->ops->add(be, y, s->y, (size_t)M * (size_t)W->rows);
 }
 
+/* The token outputs of forward_rows from the logits in s->logits [M, vocab]. */
+static void logits_tokens(df_session *s, int M, int32_t *argmax, int32_t *d_argmax, const dev_draw *dd,
+                          const top_k_out *tk) {
+    df_backend *be = s->be;
+    const int V = s->eng->pack->cfg.vocab_size;
+    if (tk) be->ops->top_k(be, s->logits, V, tk->k, tk->ids, tk->vals);
+    else if (dd) be->ops->sample_top_dev(be, s->logits, V, dd->d, dd->u, d_argmax);
+    else if (d_argmax) be->ops->argmax_dev(be, s->logits, M, V, d_argmax, -1);
+    else be->ops->argmax(be, s->logits, M, V, argmax);
+}
+
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
-                              int32_t *argmax, int32_t *d_argmax, const top_k_out *tk, int logits_from, df_error *err) {
+                              int32_t *argmax, int32_t *d_argmax, const dev_draw *dd, const top_k_out *tk,
+                              int logits_from, df_error *err) {
     const df_pack *pk = s->eng->pack;
     const df_text_config *c = &pk->cfg;
     df_backend *be = s->be;
@@ -433,9 +468,7 @@ static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *
         const df_linear *Wl[1] = {&pk->lm_head};
         float *yl[1] = {s->logits};
         norm_linears(s, s->x, pk->final_norm.data, M, 1, Wl, yl);
-        if (tk) op->top_k(be, s->logits, c->vocab_size, tk->k, tk->ids, tk->vals);
-        else if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
-        else op->argmax(be, s->logits, M, c->vocab_size, argmax);
+        logits_tokens(s, M, argmax, d_argmax, dd, tk);
         argmax = d_argmax = NULL;
         tk = NULL;
     } else if (s->capture || logits || argmax || d_argmax || tk) {
@@ -452,9 +485,7 @@ static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *
     }
     if (argmax || d_argmax || tk) {
         op->linear(be, &pk->lm_head, s->h, M, s->logits);
-        if (tk) op->top_k(be, s->logits, c->vocab_size, tk->k, tk->ids, tk->vals);
-        else if (d_argmax) op->argmax_dev(be, s->logits, M, c->vocab_size, d_argmax, -1);
-        else op->argmax(be, s->logits, M, c->vocab_size, argmax);
+        logits_tokens(s, M, argmax, d_argmax, dd, tk);
     }
     if (be->failed) {
         be->failed = 0;

@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "dflash/engine.h"
+#include "dflash/generate.h"
 
 struct df_engine {
     df_pack *pack;
@@ -67,27 +68,34 @@ df_status df_target_prefill(df_session *s, const int32_t *ids, int n, float *log
  * caller decides whether that row matters). Same errors. */
 df_status df_target_forward_argmax(df_session *s, const int32_t *ids, int M, int32_t *argmax, df_error *err);
 
-/* Greedy decoding one token at a time, each step recorded before the host reads the token of
- * the step before it when the backend keeps token ids in its memory (embed_dev, argmax_dev,
- * read_ahead): the host's time between steps is hidden behind the device's. The tokens are those
- * of df_target_forward_argmax step by step. */
-typedef struct df_greedy {
-    int32_t *d_ids; /* backend memory [2]: token t in d_ids[t & 1]; NULL: one step at a time */
-    int32_t prev;   /* one step at a time: the last token */
-    int t;          /* the token the next df_greedy_next returns */
-} df_greedy;
+/* Decoding one token at a time with each step recorded before the host reads the token of the
+ * step before it, when the backend keeps token ids in its memory (embed_dev, argmax_dev,
+ * read_ahead; sampling also sample_top_dev): the host's time between steps is hidden behind the
+ * device's. Greedy: the tokens of df_target_forward_argmax step by step. Sampled (a sampler with
+ * df_sampler_top_k_only): each step's token drawn on the device from the k best logits with the
+ * sampler's next random bits (df_sampler_draw_bits, taken when the step is recorded: one per
+ * token, in order), so the tokens of df_sampler_sample_top step by step. */
+typedef struct df_ahead {
+    int32_t *d_ids;   /* backend memory [2]: token t in d_ids[t & 1]; NULL: one step at a time */
+    int32_t prev;     /* one step at a time: the last token */
+    int t;            /* the token the next df_ahead_next returns */
+    df_sampler *sm;   /* NULL: greedy */
+    df_top_draw draw; /* sm: its filters */
+} df_ahead;
 
-/* Starts greedy decoding after token `first` (at position s->pos): its step is recorded and
- * started. Errors as df_target_forward_argmax; DF_ERR_NOMEM (then there is nothing to end). */
-df_status df_greedy_begin(df_session *s, df_greedy *g, int32_t first, df_error *err);
-/* The next greedy token into *tok (-1 when its logits were not finite, as df_argmax). With `more`
- * the step after it (fed with it) is recorded and started before it is read, so that the host
+/* Starts decoding after token `first` (at position s->pos): its step is recorded and started.
+ * sm: NULL (greedy), or a sampler with df_sampler_top_k_only, which the caller keeps until
+ * df_ahead_end; then the backend must have sample_top_dev (else DF_ERR_INTERNAL). Errors as
+ * df_target_forward_argmax; DF_ERR_NOMEM (then there is nothing to end). */
+df_status df_ahead_begin(df_session *s, df_ahead *g, int32_t first, df_sampler *sm, df_error *err);
+/* The next token into *tok (-1 when its logits were not finite, as df_argmax). With `more` the
+ * step after it (fed with it) is recorded and started before it is read, so that the host
  * works while the device computes: a caller that stops at this token (an EOS, a stop string)
  * leaves that one step run, the session one position further (df_generate resets sessions).
  * Errors as df_target_forward_argmax. */
-df_status df_greedy_next(df_session *s, df_greedy *g, int more, int32_t *tok, df_error *err);
-/* Ends greedy decoding (waits for a step still running; frees the id buffer). */
-void df_greedy_end(df_session *s, df_greedy *g);
+df_status df_ahead_next(df_session *s, df_ahead *g, int more, int32_t *tok, df_error *err);
+/* Ends the loop (waits for a step still running; frees the id buffer). */
+void df_ahead_end(df_session *s, df_ahead *g);
 
 /* One token through the target; instead of its logits, the k (1..64) best of them in rank order
  * (backend.h `top_k`: ids[k], vals[k]; ids[0] = -1 when the logits held a NaN), for a sampler

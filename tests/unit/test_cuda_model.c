@@ -4,6 +4,7 @@
  * - bitwise: the last logits of a prompt prefilled in 16-row tiles == prefilled one token at
  *   a time (every row of every op computed with its single-row bits);
  * - the device argmax path == argmax of the logits;
+ * - sampled decoding: tokens drawn on the device == the host's draws;
  * - speculative greedy == plain greedy, token for token, with the real drafter and with replay
  *   drafters forcing every acceptance pattern, blocks 2, 4, 8, 16. */
 #include "support.h"
@@ -249,6 +250,54 @@ static void spec_equals_plain(const char *fixture, int quant, const char *label)
 }
 
 /* The DFlash2 drafter (grouped dynamic convolutions, candidate selector) on the GPU. */
+/* Sampled decoding with a small top-k on the GPU: the tokens drawn on the device with each step
+ * queued ahead (sample_top_dev) == the host's draw from the device's top-k list == the host
+ * sampler on the whole logits, for the same seed (df_sample_top_list's arithmetic). */
+static void test_sampled_paths(void **state) {
+    (void)state;
+    NEED_GPU();
+    df_error err = {0};
+    df_backend *be = g_eng->be;
+    const df_backend_ops *own = be->ops;
+    assert_non_null(own->sample_top_dev);
+    df_backend_ops no_draw = *own, no_top_k = *own;
+    no_draw.sample_top_dev = NULL;
+    no_top_k.sample_top_dev = NULL;
+    no_top_k.top_k = NULL;
+    df_session *s = NULL;
+    assert_int_equal(df_session_init(&s, g_eng, 512, &err), DF_OK);
+    const int V = df_engine_vocab_size(g_eng);
+    for (int i = 0; i < 4; i++) {
+        int32_t prompt[24];
+        for (int k = 0; k < 24; k++) prompt[k] = (int32_t)((k * 7919 + i * 104729 + 13) % (V - 10)) + 1;
+        df_gen_params gp = df_gen_params_default();
+        gp.max_tokens = 48;
+        gp.sampling.temperature = i % 2 ? 0.7f : 1.5f;
+        gp.sampling.top_k = i < 2 ? 20 : 64;
+        gp.sampling.top_p = i == 1 ? 0.8f : 1.0f;
+        gp.sampling.min_p = i == 3 ? 0.05f : 0.0f;
+        gp.sampling.seed = 500u + (unsigned)i;
+        gp.sampling.has_seed = 1;
+        df_gen_result r[3];
+        const df_backend_ops *ops[3] = {own, &no_draw, &no_top_k};
+        for (int m = 0; m < 3; m++) {
+            be->ops = ops[m];
+            const df_status st = df_generate(s, prompt, 24, &gp, NULL, NULL, &r[m], &err);
+            be->ops = own;
+            if (st != DF_OK) fail_msg("generate (path %d): %s", m, err.msg);
+        }
+        for (int m = 1; m < 3; m++)
+            if (r[m].n_ids != r[0].n_ids || memcmp(r[m].ids, r[0].ids, (size_t)r[0].n_ids * sizeof(int32_t)) != 0)
+                fail_msg("setting %d: the tokens drawn on the device differ from path %d's", i, m);
+        int distinct = 0;
+        for (int k = 1; k < r[0].n_ids; k++) distinct += r[0].ids[k] != r[0].ids[0];
+        assert_true(distinct > 0);
+        for (int m = 0; m < 3; m++) df_gen_result_free(&r[m]);
+    }
+    printf("GPU sampled decoding: tokens drawn on the device == the host's draws (4 settings)\n");
+    df_session_free(s);
+}
+
 static void test_speculative_dflash2(void **state) {
     (void)state;
     NEED_GPU();
@@ -268,6 +317,7 @@ int main(void) {
         cmocka_unit_test(test_oracle_logits),
         cmocka_unit_test(test_rows_bitwise),
         cmocka_unit_test(test_speculative_equals_plain),
+        cmocka_unit_test(test_sampled_paths),
         cmocka_unit_test(test_speculative_dflash2),
         cmocka_unit_test(test_speculative_quantized_drafter),
     };

@@ -680,6 +680,28 @@ static void test_top_k_gpu(void **state) {
                 if (memcmp(gi, ci, (size_t)k * 4) != 0 || memcmp(gv, cv, (size_t)k * 4) != 0)
                     fail_msg("top_k: width %d, k %d, variant %d: GPU list differs from the CPU's", W, k, variant);
             }
+            /* sample_top_dev: the token the host draws from its list (df_sample_top_list), for
+             * several filters and random bits, steps of the same commands replayed with new bits */
+            const df_top_draw draws[4] = {{20, 1.0f, 1.0f, 0.0f}, {64, 0.7f, 0.9f, 0.0f}, {5, 1.5f, 1.0f, 0.1f},
+                                          {40, 1e-40f, 0.5f, 0.05f}};
+            int32_t *dout = be->ops->alloc(be, sizeof(int32_t));
+            for (int di = 0; di < 4; di++) {
+                df_top_draw d = draws[di];
+                if (d.k > W) d.k = W;
+                df_top_k_host(x, W, d.k, ci, cv);
+                for (int r = 0; r < 6; r++) {
+                    const uint64_t u = r == 0 ? 0 : r == 1 ? (1ull << 53) - 1 : ((uint64_t)urand() << 21) ^ urand();
+                    int32_t got = -2;
+                    be->ops->sample_top_dev(be, dx, W, &d, u, dout);
+                    be->ops->to_host(be, &got, dout, sizeof got);
+                    gpu_ok(be, "sample_top_dev");
+                    const int32_t want = ci[0] < 0 || !isfinite(cv[0]) ? -1 : df_sample_top_list(ci, cv, d.k, &d, u);
+                    if (got != want)
+                        fail_msg("sample_top_dev: width %d, variant %d, draw %d, bits %llu: GPU %d, CPU %d", W, variant,
+                                 di, (unsigned long long)u, got, want);
+                }
+            }
+            be->ops->dealloc(be, dout);
             dfree_(be, dx);
         }
         free(x);

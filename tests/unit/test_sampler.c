@@ -309,6 +309,73 @@ static void test_sample_from_top_k(void **state) {
     free(l);
 }
 
+/* df_sample_top_list (the draw from a rank-ordered list: the sampler's top-k path and the CUDA
+ * backend's sample_top_dev) against cases worked by hand and the distribution it must draw. */
+static void test_top_list_draw(void **state) {
+    (void)state;
+    const uint64_t one = 1ull << 53; /* u is 53 bits: r = u / 2^53 */
+    const int32_t ids[4] = {11, 7, 30, 2};
+    const float flat[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    df_top_draw d = {.k = 4, .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.0f};
+    /* equal logits: four terms of 1, r·4 against the running sums 1, 2, 3, 4 (strictly below) */
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, 0), 11);
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one / 4 - 1), 11);
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one / 4), 7); /* r·4 = 1: not below 1 */
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one / 2), 30);
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one - 1), 2);
+    /* top-p 0.5: the shortest prefix reaching 2 of 4 is two candidates */
+    d.top_p = 0.5f;
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one / 2 - 1), 11);
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one / 2), 7);
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one - 1), 7);
+    d.top_p = 0.51f; /* just past two: three */
+    assert_int_equal(df_sample_top_list(ids, flat, 4, &d, one - 1), 30);
+    /* min-p: terms e^0, e^-1, e^-2, e^-3 = 1, 0.37, 0.14, 0.05; 0.2 keeps two, 0.1 three */
+    const float lg[4] = {0.0f, -1.0f, -2.0f, -3.0f};
+    d.top_p = 1.0f;
+    d.min_p = 0.2f;
+    assert_int_equal(df_sample_top_list(ids, lg, 4, &d, one - 1), 7);
+    d.min_p = 0.1f;
+    assert_int_equal(df_sample_top_list(ids, lg, 4, &d, one - 1), 30);
+    /* the temperature divides the logit gaps: at T = 0.5 the second term is e^-2 */
+    d.min_p = 0.2f;
+    d.temperature = 0.5f;
+    assert_int_equal(df_sample_top_list(ids, lg, 4, &d, one - 1), 11);
+    d.temperature = 2.0f; /* e^-0.5, e^-1, e^-1.5 = 0.61, 0.37, 0.22: all four kept */
+    assert_int_equal(df_sample_top_list(ids, lg, 4, &d, one - 1), 2);
+    /* the terms: e^x to 3e-7 relative (the polynomial), plus the float rounding of x·log2(e)
+     * (half an ulp of |x|·1.44: |x|·2^-24 relative in the result), 0 below -87 */
+    for (float x = -86.9f; x <= 0.0f; x += 0.0137f) {
+        const double e = exp((double)x), got = (double)df_exp_nonpos(x), tol = 3e-7 + 1.2e-7 * fabs((double)x);
+        if (fabs(got - e) > tol * e) fail_msg("df_exp_nonpos(%g) = %.9g, e^x = %.9g", (double)x, got, e);
+    }
+    assert_true(df_exp_nonpos(-87.5f) == 0.0f && df_exp_nonpos(-INFINITY) == 0.0f && df_exp_nonpos(0.0f) == 1.0f);
+    /* the draws follow the terms: 200000 draws of a sampler's bits over e^0, e^-0.5, e^-1, e^-2 */
+    df_sampling_params p = df_sampling_default();
+    p.temperature = 1.0f;
+    p.seed = 5;
+    p.has_seed = 1;
+    df_sampler s;
+    df_sampler_init(&s, &p);
+    const float lv[4] = {0.0f, -0.5f, -1.0f, -2.0f};
+    d = (df_top_draw){.k = 4, .temperature = 1.0f, .top_p = 1.0f, .min_p = 0.0f};
+    int count[4] = {0, 0, 0, 0};
+    enum { N = 200000 };
+    for (int i = 0; i < N; i++) {
+        const uint64_t u = df_sampler_draw_bits(&s);
+        assert_true(u < one);
+        const int32_t id = df_sample_top_list(ids, lv, 4, &d, u);
+        for (int j = 0; j < 4; j++) count[j] += id == ids[j];
+    }
+    df_sampler_free(&s);
+    double z = 0.0;
+    for (int j = 0; j < 4; j++) z += exp((double)lv[j]);
+    for (int j = 0; j < 4; j++) {
+        const double want = exp((double)lv[j]) / z, got = (double)count[j] / N;
+        if (fabs(got - want) > 0.005) fail_msg("candidate %d drawn %.4f of the time, expected %.4f", j, got, want);
+    }
+}
+
 /* A temperature so small that its reciprocal is not a float (a subnormal, down to the smallest)
  * still samples the best token, with every filter (the terms are (l - max) / T, never
  * (l - max) * (1 / T), whose 0 * inf would be NaN). */
@@ -386,6 +453,7 @@ int main(void) {
         cmocka_unit_test(test_seed_reproducible_and_truncation),
         cmocka_unit_test(test_filters_large_vocab),
         cmocka_unit_test(test_sample_from_top_k),
+        cmocka_unit_test(test_top_list_draw),
         cmocka_unit_test(test_tiny_temperature),
         cmocka_unit_test(test_processors),
         cmocka_unit_test(test_token_info),

@@ -167,9 +167,12 @@ static void test_plain_loop_paths(void **state) {
     (void)state;
     df_backend *be = g_eng->be;
     const df_backend_ops *own = be->ops;
-    df_backend_ops no_top_k = *own, no_ahead = *own;
+    df_backend_ops no_top_k = *own, no_ahead = *own, no_draw = *own;
     no_top_k.top_k = NULL;
+    no_top_k.sample_top_dev = NULL;
     no_ahead.read_ahead = NULL;
+    no_draw.sample_top_dev = NULL; /* the k best read back, the draw on the host */
+    assert_non_null(own->sample_top_dev);
     for (int i = 0; i < 4; i++) {
         df_gen_params gp = df_gen_params_default();
         gp.max_tokens = GEN;
@@ -214,17 +217,32 @@ static void test_plain_loop_paths(void **state) {
         gp.sampling.min_p = i == 3 ? 0.05f : 0.0f;
         gp.sampling.seed = 77u + (unsigned)i;
         gp.sampling.has_seed = 1;
-        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &a);
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &a); /* drawn by the backend, steps queued ahead */
         be->ops = &no_top_k;
         plain(g_prompts[i + 30], g_plen[i + 30], &gp, &b);
+        be->ops = &no_draw;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &c);
         be->ops = own;
         if (a.n_ids != b.n_ids || memcmp(a.ids, b.ids, (size_t)a.n_ids * sizeof(int32_t)) != 0)
-            fail_msg("prompt %d: sampling from the backend's top-k differs from sampling the logits", i + 30);
+            fail_msg("prompt %d: tokens drawn by the backend differ from sampling the logits", i + 30);
+        if (a.n_ids != c.n_ids || memcmp(a.ids, c.ids, (size_t)a.n_ids * sizeof(int32_t)) != 0)
+            fail_msg("prompt %d: tokens drawn by the backend differ from the host's draw from its top-k", i + 30);
         int distinct = 0; /* the draws do vary */
         for (int k = 1; k < a.n_ids; k++) distinct += a.ids[k] != a.ids[0];
         assert_true(distinct > 0);
+        /* a sampled stop id read while the step after it runs: the output ends there */
+        assert_true(a.n_ids > at);
+        gp.n_stop_ids = 1;
+        gp.stop_ids[0] = a.ids[at];
+        first = 0;
+        while (a.ids[first] != a.ids[at]) first++;
+        plain(g_prompts[i + 30], g_plen[i + 30], &gp, &d);
+        assert_int_equal(d.n_ids, first + 1);
+        assert_memory_equal(d.ids, a.ids, (size_t)d.n_ids * sizeof(int32_t));
+        df_gen_result_free(&d);
         df_gen_result_free(&a);
         df_gen_result_free(&b);
+        df_gen_result_free(&c);
     }
 }
 

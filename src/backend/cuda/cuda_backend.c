@@ -1987,6 +1987,60 @@ static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *
         check(cb, (int)cudaMemcpy(vals, a.vals, (size_t)k * sizeof(float), cudaMemcpyDeviceToHost), "top_k");
 }
 
+typedef struct a_draw {
+    const float *x;
+    int width, k;
+    int32_t *ids;
+    float *vals;
+    dfk_draw d;
+} a_draw;
+
+static int run_draw(cuda_backend *cb, const void *args) {
+    (void)cb;
+    const a_draw *a = args;
+    return dfk_top_k_draw(a->x, a->width, a->k, a->ids, a->vals, &a->d);
+}
+
+/* backend.h `sample_top_dev`: the top-k kernels with the draw in their merge; the random bits in
+ * the step's parameter block (so that replayed steps differ in them alone). Rows wider than the
+ * kernels take: the host's top-k and draw, the token copied back. */
+static void cu_sample_top_dev(df_backend *be, const float *x, int width, const df_top_draw *d, uint64_t u,
+                              int32_t *out) {
+    cuda_backend *cb = cub(be);
+    if (d->k < 1 || d->k > 64 || d->k > width || !(d->temperature > 0.0f)) {
+        fail(cb, "sample_top_dev: top-k of %d over %d entries at temperature %g", d->k, width, (double)d->temperature);
+        return;
+    }
+    if (width > dfk_top_k_max_width()) {
+        int32_t ids[64];
+        float vals[64];
+        cu_top_k(be, x, width, d->k, ids, vals);
+        const int32_t id = ids[0] < 0 || !isfinite(vals[0]) ? -1 : df_sample_top_list(ids, vals, d->k, d, u);
+        cu_to_device(be, out, &id, sizeof id);
+        return;
+    }
+    if (!cb->tk && !(cb->tk = dmalloc(cb, 128 * sizeof(int32_t)))) {
+        fail(cb, "CUDA backend: out of device memory for top_k");
+        return;
+    }
+    const size_t off = params(cb, 2);
+    hparams(cb)[off] = (int32_t)(uint32_t)u;
+    hparams(cb)[off + 1] = (int32_t)(uint32_t)(u >> 32);
+    a_draw a;
+    memset(&a, 0, sizeof a);
+    a.x = x;
+    a.width = width;
+    a.k = d->k;
+    a.ids = (int32_t *)cb->tk;
+    a.vals = (float *)cb->tk + 64;
+    a.d.temperature = d->temperature;
+    a.d.top_p = d->top_p;
+    a.d.min_p = d->min_p;
+    a.d.u = (const uint32_t *)(cb->dparams + off);
+    a.d.out = out;
+    record(cb, run_draw, "sample_top", &a, sizeof a);
+}
+
 /* ---- construction ---------------------------------------------------------------------------------- */
 
 static void cu_destroy(df_backend *be) {
@@ -2058,10 +2112,12 @@ static void cu_destroy(df_backend *be) {
 /* token ids in backend memory (backend.h) */
 #define CUDA_OPS_IDS .embed_dev = cu_embed_dev, .argmax_dev = cu_argmax_dev, .submit = cu_submit,
 
-static const df_backend_ops cuda_ops = {CUDA_OPS_COMMON CUDA_OPS_IDS.read_ahead = cu_read_ahead};
+static const df_backend_ops cuda_ops = {CUDA_OPS_COMMON CUDA_OPS_IDS.read_ahead = cu_read_ahead,
+                                        .sample_top_dev = cu_sample_top_dev};
 
-/* DFLASH_CUDA_READ_AHEAD=0 (experiments: greedy plain decoding records each step after reading
- * the previous step's token, for same-binary comparisons) */
+/* DFLASH_CUDA_READ_AHEAD=0 (experiments: plain decoding records each step after reading the
+ * previous step's token, greedy or sampled (then from the top k on the host), for same-binary
+ * comparisons) */
 static const df_backend_ops cuda_ops_no_ahead = {CUDA_OPS_COMMON CUDA_OPS_IDS};
 
 /* DFLASH_CUDA_IDS_DEV=0 (experiments: the speculative round's ids through the host, each pass

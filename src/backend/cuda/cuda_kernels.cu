@@ -1178,50 +1178,186 @@ static __device__ void tk_sort_desc(unsigned long long *k, int n) {
         }
 }
 
+/* Puts into k[0..) a set of keys holding the 64 largest of those that the threads of the block
+ * offer in mine[0..PER) (blockDim.x = 64·L, L <= 32: 64 groups of L consecutive lanes), sorted
+ * descending; returns its size (a power of
+ * two, at most cap; entries beyond the set are 0). The 64 group maxima are 64 distinct keys, so
+ * at least 64 keys reach the smallest of them, T: only the keys >= T are sorted (a few hundred for
+ * random rows instead of every key), unless more than cap / 2 do. Keys are distinct (the index
+ * is part of the key), so the set and its order do not depend on the split. */
+template <int PER>
+static __device__ int tk_select(const unsigned long long (&mine)[PER], unsigned long long *k, int cap, int *cnt,
+                                unsigned long long *wmin) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (int)blockDim.x >> 5;
+    const int lpg = (int)blockDim.x / 64; /* lanes per group (8 or 16 here) */
+    unsigned long long m = 0;
+#pragma unroll
+    for (int j = 0; j < PER; j++) m = mine[j] > m ? mine[j] : m;
+    for (int o = 1; o < lpg; o <<= 1) { /* the group's maximum */
+        const unsigned long long x = __shfl_xor_sync(FULL_MASK, m, o);
+        m = x > m ? x : m;
+    }
+    for (int o = lpg; o < 32; o <<= 1) { /* the smallest group maximum of the warp */
+        const unsigned long long x = __shfl_xor_sync(FULL_MASK, m, o);
+        m = x < m ? x : m;
+    }
+    if (threadIdx.x == 0) *cnt = 0;
+    if (lane == 0) wmin[warp] = m;
+    __syncthreads();
+    unsigned long long T = wmin[0];
+    for (int w = 1; w < nw; w++) T = wmin[w] < T ? wmin[w] : T;
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+        if (mine[j] >= T) {
+            const int pos = atomicAdd(cnt, 1);
+            if (pos < cap) k[pos] = mine[j];
+        }
+    __syncthreads();
+    const int c = *cnt;
+    if (c > cap / 2) { /* too many above T (padding among the groups): every key */
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PER; j++) k[threadIdx.x + j * blockDim.x] = mine[j];
+        __syncthreads();
+        tk_sort_desc(k, cap);
+        return cap;
+    }
+    int n = 64;
+    while (n < c) n <<= 1;
+    for (int t = c + (int)threadIdx.x; t < n; t += blockDim.x) k[t] = 0ull;
+    __syncthreads();
+    tk_sort_desc(k, n);
+    return n;
+}
+
 __global__ void __launch_bounds__(512) k_topk_part(const float *x, int width, int chunk) {
     K_TR_ENTRY();
     __shared__ unsigned long long keys[TK_SORT];
+    __shared__ unsigned long long wmin[16];
+    __shared__ int cnt;
     const int lo = (int)blockIdx.x * chunk, hi = lo + chunk < width ? lo + chunk : width;
     int nan = 0;
-    for (int t = threadIdx.x; t < TK_SORT; t += blockDim.x) {
-        const int i = lo + t;
+    constexpr int PER = TK_SORT / 512;
+    unsigned long long mine[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) { /* thread t: entries t + 512j; a group of 8 threads: 64 entries */
+        const int i = lo + (int)threadIdx.x + 512 * j;
         unsigned long long key = 0; /* below every real key: padding */
         if (i < hi) {
             const float v = x[i];
             if (isnan(v)) nan = 1;
             else key = tk_key(v, i);
         }
-        keys[t] = key;
+        mine[j] = key;
     }
     nan = __syncthreads_or(nan);
-    tk_sort_desc(keys, TK_SORT);
+    tk_select<PER>(mine, keys, TK_SORT, &cnt, wmin);
     for (int t = threadIdx.x; t < 64; t += blockDim.x) g_tk_key[blockIdx.x * 64 + t] = keys[t];
     if (threadIdx.x == 0) g_tk_nan[blockIdx.x] = nan;
 }
 
-__global__ void __launch_bounds__(1024) k_topk_merge(const float *x, int parts, int k, int32_t *ids, float *vals) {
+/* backend.h df_exp_nonpos: the same float32 operations (no contraction: --fmad=false). */
+static __device__ float tk_exp_nonpos(float x) {
+    const float tc = fmaxf(x * 1.44269504f, -126.0f);
+    const float n = (tc + 12582912.0f) - 12582912.0f;
+    const float f = tc - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const float r = p * __int_as_float(((int)n + 127) << 23);
+    return x >= -87.0f ? r : 0.0f;
+}
+
+/* backend.h df_sample_top_list over the n candidates sid/sv (rank order) with their terms sp,
+ * by one thread: the same double operations in the same order. */
+static __device__ int32_t tk_draw_list(const int32_t *sid, const float *sp, int n, const dfk_draw &d, uint64_t u) {
+    double sum = 0.0;
+    for (int j = 0; j < n; j++) sum += sp[j];
+    if (d.top_p > 0.0f && d.top_p < 1.0f) {
+        const double want = (double)d.top_p * sum;
+        double got = 0.0;
+        for (int j = 0; j < n; j++) {
+            got += sp[j];
+            if (got >= want) {
+                n = j + 1;
+                break;
+            }
+        }
+    }
+    const bool mp = d.min_p > 0.0f;
+    double total = 0.0;
+    int last = -1;
+    for (int j = 0; j < n; j++)
+        if (!mp || sp[j] >= d.min_p) {
+            total += sp[j];
+            last = j;
+        }
+    if (last < 0) return sid[0]; /* min_p above 1: the best one */
+    const double r = (double)u * (1.0 / 9007199254740992.0) * total;
+    double c = 0.0;
+    for (int j = 0; j < n; j++)
+        if (!mp || sp[j] >= d.min_p) {
+            c += sp[j];
+            if (r < c) return sid[j];
+        }
+    return sid[last];
+}
+
+__global__ void __launch_bounds__(1024) k_topk_merge(const float *x, int parts, int k, int32_t *ids, float *vals,
+                                                     const dfk_draw d) {
     K_TR_ENTRY();
     __shared__ unsigned long long keys[TK_PARTS * 64];
+    __shared__ int32_t sid[64];
+    __shared__ float sv[64], sp[64];
+    __shared__ unsigned long long wmin[32];
+    __shared__ int cnt;
     int nan = 0;
-    for (int t = threadIdx.x; t < TK_PARTS * 64; t += blockDim.x) keys[t] = t < parts * 64 ? g_tk_key[t] : 0ull;
+    constexpr int PER = TK_PARTS * 64 / 1024;
+    unsigned long long mine[PER]; /* thread t: entries 4t..4t+3, so a group of 16 threads is a part's list */
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int t = PER * (int)threadIdx.x + j;
+        mine[j] = t < parts * 64 ? g_tk_key[t] : 0ull;
+    }
     for (int t = threadIdx.x; t < parts; t += blockDim.x) nan |= g_tk_nan[t];
     nan = __syncthreads_or(nan);
-    tk_sort_desc(keys, TK_PARTS * 64);
+    tk_select<PER>(mine, keys, TK_PARTS * 64, &cnt, wmin);
     for (int t = threadIdx.x; t < k; t += blockDim.x) {
         const int32_t i = (int32_t)(~(unsigned)(keys[t] & 0xffffffffu));
-        vals[t] = x[i];
+        const float v = x[i];
+        vals[t] = v;
         ids[t] = nan && t == 0 ? -1 : i;
+        sid[t] = i;
+        sv[t] = v;
+    }
+    if (!d.out) return;
+    __syncthreads();
+    const bool bad = nan || !isfinite(sv[0]);
+    if ((int)threadIdx.x < k && !bad) sp[threadIdx.x] = tk_exp_nonpos((sv[threadIdx.x] - sv[0]) / d.temperature);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint64_t u = (uint64_t)d.u[0] | ((uint64_t)d.u[1] << 32);
+        d.out[0] = bad ? -1 : tk_draw_list(sid, sp, k, d, u);
     }
 }
 
 extern "C" int dfk_top_k_max_width(void) { return TK_PARTS * TK_SORT; }
 
-extern "C" int dfk_top_k(const float *x, int width, int k, int32_t *ids, float *vals) {
+extern "C" int dfk_top_k_draw(const float *x, int width, int k, int32_t *ids, float *vals, const dfk_draw *d) {
     if (width < 1 || width > TK_PARTS * TK_SORT || k < 1 || k > 64 || k > width) return (int)cudaErrorInvalidValue;
+    if (d && (!d->u || !d->out || !(d->temperature > 0.0f))) return (int)cudaErrorInvalidValue;
     const int chunk = (width + TK_PARTS - 1) / TK_PARTS;
     k_topk_part<<<TK_PARTS, 512, 0, g_stream>>>(x, width, chunk);
-    k_topk_merge<<<1, 1024, 0, g_stream>>>(x, TK_PARTS, k, ids, vals);
+    k_topk_merge<<<1, 1024, 0, g_stream>>>(x, TK_PARTS, k, ids, vals, d ? *d : dfk_draw{});
     return launch_status();
+}
+
+extern "C" int dfk_top_k(const float *x, int width, int k, int32_t *ids, float *vals) {
+    return dfk_top_k_draw(x, width, k, ids, vals, NULL);
 }
 
 /* ---- attention ----------------------------------------------------------------------------- */

@@ -259,6 +259,19 @@ int dfk_argmax(const float *x, int rows, int width, int32_t *out, int32_t bad);
 int dfk_top_k(const float *x, int width, int k, int32_t *ids, float *vals);
 int dfk_top_k_max_width(void);
 
+/* A token drawn from the top k (dfk_top_k_draw): backend.h df_top_draw's filters, the 53 random
+ * bits as two words in device memory (u[0] low, u[1] high: a step's parameter block), the token
+ * id written to out[0] (device int32; -1 when the row holds a NaN or its maximum is infinite). */
+typedef struct dfk_draw {
+    float temperature, top_p, min_p;
+    const uint32_t *u;
+    int32_t *out;
+} dfk_draw;
+
+/* dfk_top_k, then the draw of df_sample_top_list (backend.h) from the k best with d: the same
+ * float32 and double operations in the same order, so the same token. */
+int dfk_top_k_draw(const float *x, int width, int k, int32_t *ids, float *vals, const dfk_draw *d);
+
 /* ---- attention ------------------------------------------------------------------------------ */
 
 /* Per row m and head: q heads (when q != NULL) RMSNorm (q_norm) + partial RoPE in place;
