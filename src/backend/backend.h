@@ -224,8 +224,9 @@ float df_exp_nonpos(float x);
  *   order); top-p: the shortest prefix whose running sum (double, rank order) reaches top_p·S;
  *   min-p: of those, the ones with p_j >= min_p, in order; the draw: the first kept candidate
  *   whose running sum (double, rank order) exceeds (r·Σ kept p_j), else the last kept one.
- * Each step is one IEEE float32 or double operation, so the CUDA backend's sample_top_dev gives
- * the same token bit for bit. The sampler's top-k path (generate.h) is this function. */
+ * Each step is one IEEE float32 or double operation, compiled from one text for the host and
+ * the GPU (backend/top_draw.h), so the CUDA backend's sample_top_dev gives the same token bit for
+ * bit. The sampler's top-k path (generate.h) is this function. */
 int32_t df_sample_top_list(const int32_t *ids, const float *vals, int n, const df_top_draw *d, uint64_t u);
 /* Rounds to the nearest fp16 value (round-to-nearest-even), returned as float. */
 float df_round_f16(float x);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/top_draw.h"
 #include "core/threads.h"
 #include "dflash/generate.h"
 #include "dflash/safetensors.h"
@@ -630,62 +631,14 @@ void df_top_k_host(const float *x, int width, int k, int32_t *ids, float *vals) 
 }
 
 /* backend.h df_exp_nonpos. */
-float df_exp_nonpos(float x) {
-    const float tc = fmaxf(x * 1.44269504f, -126.0f);
-    const float n = (tc + 12582912.0f) - 12582912.0f; /* round to nearest (|tc| < 2^22) */
-    const float f = tc - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale, r;
-    memcpy(&scale, &bits, sizeof scale);
-    r = p * scale;
-    uint32_t rb;
-    memcpy(&rb, &r, sizeof rb);
-    rb &= (uint32_t)-(int32_t)(x >= -87.0f); /* 0 below -87 */
-    memcpy(&r, &rb, sizeof r);
-    return r;
-}
+float df_exp_nonpos(float x) { return df_exp_nonpos_inl(x); }
 
 /* backend.h df_sample_top_list. */
 int32_t df_sample_top_list(const int32_t *ids, const float *vals, int n, const df_top_draw *d, uint64_t u) {
     float p[64];
     if (n > 64) n = 64;
-    const float mx = vals[0], t = d->temperature;
-    double sum = 0.0;
-    for (int j = 0; j < n; j++) {
-        p[j] = df_exp_nonpos((vals[j] - mx) / t);
-        sum += p[j];
-    }
-    if (d->top_p > 0.0f && d->top_p < 1.0f) {
-        const double want = (double)d->top_p * sum;
-        double got = 0.0;
-        for (int j = 0; j < n; j++) {
-            got += p[j];
-            if (got >= want) {
-                n = j + 1;
-                break;
-            }
-        }
-    }
-    int keep[64], nk = 0;
-    for (int j = 0; j < n; j++)
-        if (!(d->min_p > 0.0f) || p[j] >= d->min_p) keep[nk++] = j;
-    if (nk == 0) return ids[0]; /* min_p above 1: the best one (p_0 = 1) */
-    double total = 0.0;
-    for (int i = 0; i < nk; i++) total += p[keep[i]];
-    const double r = (double)u * (1.0 / 9007199254740992.0) * total;
-    double c = 0.0;
-    for (int i = 0; i < nk; i++) {
-        c += p[keep[i]];
-        if (r < c) return ids[keep[i]];
-    }
-    return ids[keep[nk - 1]];
+    for (int j = 0; j < n; j++) p[j] = df_top_term(vals[j], vals[0], d->temperature);
+    return df_top_draw_terms(ids, p, n, d->top_p, d->min_p, u);
 }
 
 /* backend.h `sample_top_dev` (backend memory is host memory here). */

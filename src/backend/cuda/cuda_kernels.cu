@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/top_draw.h"
 #include "backend/cuda/cuda_rowops.cuh"
 #include "backend/cuda/cuda_trace.cuh"
 
@@ -1256,57 +1257,6 @@ __global__ void __launch_bounds__(512) k_topk_part(const float *x, int width, in
     if (threadIdx.x == 0) g_tk_nan[blockIdx.x] = nan;
 }
 
-/* backend.h df_exp_nonpos: the same float32 operations (no contraction: --fmad=false). */
-static __device__ float tk_exp_nonpos(float x) {
-    const float tc = fmaxf(x * 1.44269504f, -126.0f);
-    const float n = (tc + 12582912.0f) - 12582912.0f;
-    const float f = tc - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const float r = p * __int_as_float(((int)n + 127) << 23);
-    return x >= -87.0f ? r : 0.0f;
-}
-
-/* backend.h df_sample_top_list over the n candidates sid/sv (rank order) with their terms sp,
- * by one thread: the same double operations in the same order. */
-static __device__ int32_t tk_draw_list(const int32_t *sid, const float *sp, int n, const dfk_draw &d, uint64_t u) {
-    double sum = 0.0;
-    for (int j = 0; j < n; j++) sum += sp[j];
-    if (d.top_p > 0.0f && d.top_p < 1.0f) {
-        const double want = (double)d.top_p * sum;
-        double got = 0.0;
-        for (int j = 0; j < n; j++) {
-            got += sp[j];
-            if (got >= want) {
-                n = j + 1;
-                break;
-            }
-        }
-    }
-    const bool mp = d.min_p > 0.0f;
-    double total = 0.0;
-    int last = -1;
-    for (int j = 0; j < n; j++)
-        if (!mp || sp[j] >= d.min_p) {
-            total += sp[j];
-            last = j;
-        }
-    if (last < 0) return sid[0]; /* min_p above 1: the best one */
-    const double r = (double)u * (1.0 / 9007199254740992.0) * total;
-    double c = 0.0;
-    for (int j = 0; j < n; j++)
-        if (!mp || sp[j] >= d.min_p) {
-            c += sp[j];
-            if (r < c) return sid[j];
-        }
-    return sid[last];
-}
-
 __global__ void __launch_bounds__(1024) k_topk_merge(const float *x, int parts, int k, int32_t *ids, float *vals,
                                                      const dfk_draw d) {
     K_TR_ENTRY();
@@ -1337,11 +1287,13 @@ __global__ void __launch_bounds__(1024) k_topk_merge(const float *x, int parts, 
     if (!d.out) return;
     __syncthreads();
     const bool bad = nan || !isfinite(sv[0]);
-    if ((int)threadIdx.x < k && !bad) sp[threadIdx.x] = tk_exp_nonpos((sv[threadIdx.x] - sv[0]) / d.temperature);
+    /* df_sample_top_list (backend/top_draw.h, the host's text): the terms a thread each, then
+     * the filters and the draw by one */
+    if ((int)threadIdx.x < k && !bad) sp[threadIdx.x] = df_top_term(sv[threadIdx.x], sv[0], d.temperature);
     __syncthreads();
     if (threadIdx.x == 0) {
         const uint64_t u = (uint64_t)d.u[0] | ((uint64_t)d.u[1] << 32);
-        d.out[0] = bad ? -1 : tk_draw_list(sid, sp, k, d, u);
+        d.out[0] = bad ? -1 : df_top_draw_terms(sid, sp, k, d.top_p, d.min_p, u);
     }
 }
 
