@@ -308,6 +308,16 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 0; i < stop.n; i++) gp.stop[i] = stop.items[i];
     gp.n_stop = stop.n;
     gp.should_stop = prefill_interrupted;
+    if (sp.temperature == 0.0f) { /* sampling options given for a greedy run: say that they do nothing */
+        const char *opts[4] = {"top-p", "top-k", "min-p", "seed"};
+        char given[64] = "";
+        for (int i = 0; i < 4; i++)
+            if (cli_find(&cmd, opts[i])->given)
+                snprintf(given + strlen(given), sizeof given - strlen(given), "%s--%s", given[0] ? ", " : "", opts[i]);
+        if (given[0])
+            fprintf(stderr, "dflash generate: %s: no effect at temperature 0 (greedy decoding); --temperature F samples\n",
+                    given);
+    }
     int speculative = ds && !no_draft && sp.temperature == 0.0f && !df_sampling_has_processors(&sp);
     if (ds && !no_draft && !speculative)
         fprintf(stderr, "dflash generate: %s is decoded plainly; speculative decoding is greedy only\n",

@@ -37,6 +37,16 @@ def test_top_k_minus_one_is_off():
     assert generate_json(*args, "--top-k", "-1")["ids"] == generate_json(*args, "--top-k", "0")["ids"]
 
 
+def test_sampling_options_at_temperature_zero_are_noted():
+    """Sampling options given for a greedy run (no --temperature) are named on stderr as having
+    no effect; with a temperature there is no note, and the output is sampled."""
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "2", "--seed", "5", "--top-p", "0.5")
+    assert p.returncode == 0, p.stderr
+    assert "--top-p, --seed: no effect at temperature 0" in p.stderr, p.stderr
+    p = run_cli("generate", *model_args(), "--prompt", "hi", "--max-tokens", "2", "--seed", "5", "--temperature", "1")
+    assert p.returncode == 0 and "no effect" not in p.stderr, p.stderr
+
+
 def test_generate_json_shape():
     out = generate_json("--chat", "Hello", "--max-tokens", "8")
     assert set(out) >= {"prompt_ids", "ids", "text", "finish_reason"}
