@@ -282,8 +282,11 @@ df_status df_target_forward_top_k(df_session *s, int32_t id, int k, int32_t *ids
 
 /* Records the step fed with the token in `in` (backend memory) whose token goes to `out`. */
 static df_status ahead_step(df_session *s, df_ahead *g, const int32_t *in, int32_t *out, df_error *err) {
-    const dev_draw dd = {&g->draw, g->sm ? df_sampler_draw_bits(g->sm) : 0};
-    return forward_rows(s, NULL, in, 1, NULL, NULL, out, g->sm ? &dd : NULL, NULL, 0, err);
+    if (!g->sm) return forward_rows(s, NULL, in, 1, NULL, NULL, out, NULL, NULL, 0, err);
+    const df_sampling_params *p = &g->sm->p;
+    const df_top_draw d = {.k = p->top_k, .temperature = p->temperature, .top_p = p->top_p, .min_p = p->min_p};
+    const dev_draw dd = {&d, df_sampler_draw_bits(g->sm)};
+    return forward_rows(s, NULL, in, 1, NULL, NULL, out, &dd, NULL, 0, err);
 }
 
 df_status df_ahead_begin(df_session *s, df_ahead *g, int32_t first, df_sampler *sm, df_error *err) {
@@ -296,8 +299,6 @@ df_status df_ahead_begin(df_session *s, df_ahead *g, int32_t first, df_sampler *
         if (!be->ops->sample_top_dev || !df_sampler_top_k_only(sm, V))
             return df_error_set(err, DF_ERR_INTERNAL, "decode: the backend cannot draw this sampler's tokens");
         g->sm = sm;
-        g->draw = (df_top_draw){.k = sm->p.top_k, .temperature = sm->p.temperature, .top_p = sm->p.top_p,
-                                .min_p = sm->p.min_p};
     }
     if (!be->ops->embed_dev || !be->ops->argmax_dev || !be->ops->read_ahead) {
         if (sm) return df_error_set(err, DF_ERR_INTERNAL, "decode: the backend keeps no token ids in its memory");

@@ -80,7 +80,6 @@ typedef struct df_ahead {
     int32_t prev;     /* one step at a time: the last token */
     int t;            /* the token the next df_ahead_next returns */
     df_sampler *sm;   /* NULL: greedy */
-    df_top_draw draw; /* sm: its filters */
 } df_ahead;
 
 /* Starts decoding after token `first` (at position s->pos): its step is recorded and started.
