@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dflash/generate.h"
+
 const char *tu_fixture(const char *rel) {
     static char buf[4096];
     const char *base = getenv("DFLASH_FIXTURES");
@@ -44,4 +46,13 @@ const char *tu_tmpdir(void) {
     snprintf(buf, sizeof buf, "/tmp/dflash-test-XXXXXX");
     if (!mkdtemp(buf)) return "/tmp";
     return buf;
+}
+
+void tu_sampling_case(df_sampling_params *p, int i, unsigned seed0) {
+    p->temperature = i % 2 ? 0.7f : 1.5f;
+    p->top_k = i < 2 ? 20 : 64;
+    p->top_p = i == 1 ? 0.8f : 1.0f;
+    p->min_p = i == 3 ? 0.05f : 0.0f;
+    p->seed = seed0 + (unsigned)i;
+    p->has_seed = 1;
 }

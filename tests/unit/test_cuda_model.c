@@ -272,12 +272,7 @@ static void test_sampled_paths(void **state) {
         for (int k = 0; k < 24; k++) prompt[k] = (int32_t)((k * 7919 + i * 104729 + 13) % (V - 10)) + 1;
         df_gen_params gp = df_gen_params_default();
         gp.max_tokens = 48;
-        gp.sampling.temperature = i % 2 ? 0.7f : 1.5f;
-        gp.sampling.top_k = i < 2 ? 20 : 64;
-        gp.sampling.top_p = i == 1 ? 0.8f : 1.0f;
-        gp.sampling.min_p = i == 3 ? 0.05f : 0.0f;
-        gp.sampling.seed = 500u + (unsigned)i;
-        gp.sampling.has_seed = 1;
+        tu_sampling_case(&gp.sampling, i, 500u);
         df_gen_result r[3];
         const df_backend_ops *ops[3] = {own, &no_draw, &no_top_k};
         for (int m = 0; m < 3; m++) {

@@ -211,12 +211,7 @@ static void test_plain_loop_paths(void **state) {
         df_gen_result_free(&c);
         gp = df_gen_params_default();
         gp.max_tokens = GEN;
-        gp.sampling.temperature = i % 2 ? 0.7f : 1.5f;
-        gp.sampling.top_k = i < 2 ? 20 : 64;
-        gp.sampling.top_p = i == 1 ? 0.8f : 1.0f;
-        gp.sampling.min_p = i == 3 ? 0.05f : 0.0f;
-        gp.sampling.seed = 77u + (unsigned)i;
-        gp.sampling.has_seed = 1;
+        tu_sampling_case(&gp.sampling, i, 77u);
         plain(g_prompts[i + 30], g_plen[i + 30], &gp, &a); /* drawn by the backend, steps queued ahead */
         be->ops = &no_top_k;
         plain(g_prompts[i + 30], g_plen[i + 30], &gp, &b);
