@@ -319,6 +319,59 @@ static void test_each_partial_length(void **state) {
     }
 }
 
+/* When speculative decoding ends, the session's GDN states are those of its position, whether
+ * the last round was accepted whole (its states taken over) or not (its accepted rows replayed
+ * then: a pass replays the previous pass's accepted rows only when it runs): the bits of a
+ * session that ran the same tokens in tiles. Rounds accept 0..3 drafts of 3, and a stop id ends
+ * the output at one of four places, so that the last round ends in each way. */
+static void test_states_at_end(void **state) {
+    (void)state;
+    const df_text_config *tc = &g_eng->pack->cfg;
+    df_error err = {0};
+    df_session *ref;
+    assert_int_equal(df_session_init(&ref, g_eng, 512, &err), DF_OK);
+    const int p = 3;
+    df_gen_params gp = df_gen_params_default();
+    gp.max_tokens = GEN;
+    df_gen_result full;
+    plain(g_prompts[p], g_plen[p], &gp, &full);
+    for (int corrupt = 0; corrupt <= 3; corrupt++) /* 3: every draft of a block-4 round right */
+        for (int at = 4; at < 8; at++) {
+            gp.stop_ids[0] = full.ids[at];
+            gp.n_stop_ids = 1;
+            df_spec_params sp = df_spec_params_default();
+            sp.no_fallback = 1;
+            sp.block = 4;
+            replay r = {.plain = full.ids, .n_plain = full.n_ids, .corrupt = corrupt};
+            sp.override = replay_propose;
+            sp.override_user = &r;
+            df_gen_result got;
+            assert_int_equal(
+                df_generate_speculative(g_sess, g_ds, g_prompts[p], g_plen[p], &gp, &sp, NULL, NULL, &got, &err), DF_OK);
+            int32_t ids[96 + GEN];
+            memcpy(ids, g_prompts[p], (size_t)g_plen[p] * sizeof(int32_t));
+            /* (accepted rows past the stop id ran too: they are the plain output's) */
+            memcpy(ids + g_plen[p], full.ids, (size_t)full.n_ids * sizeof(int32_t));
+            const int n = g_sess->pos;
+            assert_true(n >= g_plen[p] + got.n_ids - 1 && n <= g_plen[p] + full.n_ids);
+            df_session_reset(ref);
+            for (int i = 0; i < n; i += DF_MAX_ROWS)
+                assert_int_equal(
+                    df_target_forward_rows(ref, ids + i, n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS, NULL, 0, &err), DF_OK);
+            for (int l = 0; l < tc->n_layers; l++) {
+                if (tc->layer_kinds[l] != DF_LAYER_LINEAR_ATTENTION) continue;
+                if (memcmp(g_sess->layer[l].ssm_state, ref->layer[l].ssm_state, df_gdn_ssm_bytes(ref)) != 0 ||
+                    memcmp(g_sess->layer[l].conv_state, ref->layer[l].conv_state, df_gdn_conv_bytes(ref)) != 0)
+                    fail_msg("corrupt %d, stop at %d: layer %d's GDN states after speculative decoding differ from "
+                             "those of its tokens",
+                             corrupt, at, l);
+            }
+            df_gen_result_free(&got);
+        }
+    df_gen_result_free(&full);
+    df_session_free(ref);
+}
+
 /* Stop tokens and max_tokens that fall inside a block. */
 static void test_stops_inside_block(void **state) {
     (void)state;
@@ -669,6 +722,7 @@ int main(void) {
         cmocka_unit_test(test_plain_loop_paths),
         cmocka_unit_test(test_ids_through_host),
         cmocka_unit_test(test_stops_inside_block),
+        cmocka_unit_test(test_states_at_end),
         cmocka_unit_test(test_window_and_adaptive),
         cmocka_unit_test(test_dflash2_exact),
         cmocka_unit_test(test_quantized_drafter),
