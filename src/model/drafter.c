@@ -868,7 +868,8 @@ static const float *block_input(df_draft_state *s, const float *norm_w, const df
 }
 
 /* The block's forward pass of df_draft_block: the normed hidden states into s->h [B, hidden]
- * (and `hidden` on the host when not NULL), rows 1..B-1 through the target's lm_head into
+ * (and `hidden` on the host when not NULL; rows 1..B-1 only when it is NULL), rows 1..B-1
+ * through the target's lm_head into
  * s->logits [B-1, vocab] (raw: no multiplier, no softcapping). Recorded, not awaited. */
 static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int B, float *hidden, df_error *err) {
     df_drafter *d = s->d;
@@ -946,6 +947,12 @@ static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int
         } else {
             op->add(be, s->x, s->y, BH);
         }
+    }
+    if (!hidden && op->linears) { /* the final norm of rows 1..B-1 fused with lm_head (the same bits) */
+        const df_linear *Wl[1] = {&pk->lm_head};
+        float *yl[1] = {s->logits};
+        op->linears(be, s->x + H, d->norm.data, c->rms_norm_eps, B - 1, H, 1, Wl, yl, s->h + H);
+        return DF_OK;
     }
     op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
     if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));

@@ -63,6 +63,13 @@ static void test_drafter_oracle(void **state) {
         assert_true(dh <= 1e-3f);
         assert_true(dl <= 1e-3f);
         assert_memory_equal(drafts, ids->data, (size_t)(B - 1) * sizeof(int32_t));
+        /* without the hidden states (the final norm fused with lm_head): the same logits, bit for bit */
+        float *logits2 = malloc((size_t)(B - 1) * V * sizeof(float));
+        int32_t drafts2[16];
+        assert_int_equal(df_draft_block(st, bids[0], n, B, drafts2, NULL, logits2, &err), DF_OK);
+        assert_memory_equal(logits2, logits, (size_t)(B - 1) * V * sizeof(float));
+        assert_memory_equal(drafts2, drafts, (size_t)(B - 1) * sizeof(int32_t));
+        free(logits2);
         free(hidden);
         free(logits);
         df_draft_state_free(st);
