@@ -147,6 +147,15 @@ for s in $STEPS; do
       grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/trace_${i}_verify.txt" | tee -a "$OUT/summary.txt"
       rm -f /tmp/trace.bin
     done ;;
+  ptrace)
+    # plain decode steps traced with the baseline binary and this one: the by-kernel summary
+    for exe in dflash-gpu-base dflash-gpu; do
+      echo "-- $exe" | tee -a "$OUT/summary.txt"
+      DFLASH_CUDA_TRACE=/tmp/trace.bin timeout 150 "$BIN/$exe" bench --model /tmp/p27t --ctx 1024 --gen 16 --no-verify-curve 2>&1 | grep -E "plain decode" | tee -a "$OUT/summary.txt"
+      timeout 120 python3 tools/trace_report.py /tmp/trace.bin --step=-3 > "$OUT/ptrace_$exe.txt" 2>&1
+      grep -vE "^ +[0-9]+ +[0-9.]+ k_" "$OUT/ptrace_$exe.txt" | tee -a "$OUT/summary.txt"
+      rm -f /tmp/trace.bin
+    done ;;
   spec)
     # speculative A/B: VARIANTS alternating AB_ROUNDS times (BASE=1: the baseline binary), block 4,
     # synthetic acceptance 2.7 and 4.5, no verify curve

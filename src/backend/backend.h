@@ -45,12 +45,6 @@ typedef struct df_gdn_shape {
     float eps;              /* gated RMSNorm epsilon */
 } df_gdn_shape;
 
-/* Floats of a gdn_spec keep buffer for C conv channels and nv value heads: the qkv rows
- * [DF_MAX_ROWS, C], then the a rows and the b rows [DF_MAX_ROWS, nv]. */
-static inline size_t df_gdn_keep_floats(int C, int nv) {
-    return (size_t)DF_MAX_ROWS * ((size_t)C + 2 * (size_t)nv);
-}
-
 /* One layer of the gdn_states op: as the arguments of `gdn` (backend memory but for the
  * weights, which are the pack's). */
 typedef struct df_gdn_layer {
@@ -148,20 +142,13 @@ typedef struct df_backend_ops {
     /* linear_add: y[M, W->rows] += W · a with a = up ? silu(x) ⊙ up : x ([M, W->cols]): the
      * residual add (and the SwiGLU of an MLP) fused with the linear. */
     void (*linear_add)(df_backend *be, const df_linear *W, const float *x, const float *up, int M, float *y);
-    /* gdn_spec: `gdn` for a speculative verify pass, whose rows may be rolled back. keep
-     * (backend memory, df_gdn_keep_floats(C, nv) floats: qkv rows [DF_MAX_ROWS, C], then a rows
-     * and b rows [DF_MAX_ROWS, nv]) holds the projections of an earlier call's rows. First
-     * conv_state [K-1, C] and S [nv, dk, dv] advance in place by keep's first P rows (0 <= P <=
-     * DF_MAX_ROWS; states only: the bits of `gdn` with those rows and out = NULL); then the M
-     * rows (1 <= M <= DF_MAX_ROWS) qkv, z, a, b run from there as in `gdn`, with their advanced
-     * states written to conv_out and S_out (other buffers; conv_state and S keep the states after
-     * the P rows) and out [M, Vd]; last, the M rows' qkv, a and b are copied into keep (for the
-     * next call to replay the rows that were accepted). The replay of the accepted rows of the
-     * previous pass thus costs no pass of its own (MODEL.md §1 for the recurrence). */
-    void (*gdn_spec)(df_backend *be, const df_gdn_shape *sh, int P, float *keep, const float *qkv, const float *z,
-                     const float *a, const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
-                     const float *norm_w, int M, float *conv_state, float *S, float *conv_out, float *S_out,
-                     float *out);
+    /* gdn_to: gdn reading the states from conv_in [K-1, C] and S_in [nv, dk, dv] and writing the
+     * advanced states to conv_state and S (other buffers; conv_in and S_in are left as they
+     * were): the bits of copying them over, then gdn. */
+    void (*gdn_to)(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                   const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
+                   const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
+                   float *out);
     /* gdn_states: `gdn` with out = NULL (the states only, advanced in place by M rows) for n
      * independent layers of one shape (layers[i]: layer i's inputs, weights and states; no two
      * share a state buffer): the bits of n `gdn` calls, which a GPU runs in a few launches

@@ -91,11 +91,11 @@ typedef struct spec_ctx {
     int host_ctx;           /* the drafter runs on another backend: its context goes through the host */
     int tap_index[256];     /* target layer -> tap slot (or -1); layers beyond 256 never tap */
     /* the verify pass's GDN projections and advanced states, per layer (NULL for attention
-     * layers; backend memory): df_gdn_redirect; redirect.P: the accepted rows of the last pass
-     * that the next one replays first (0: none pending) */
-    float **alt_conv, **alt_ssm, **keep;
+     * layers; backend memory): df_gdn_redirect */
+    float **alt_conv, **alt_ssm;
+    float **rec_qkv, **rec_z, **rec_a, **rec_b;
     df_gdn_redirect redirect;
-    df_gdn_layer *replay; /* [n_layers]: flush_gdn's replay of the pending rows */
+    df_gdn_layer *replay; /* [n_layers]: settle_gdn's replay of the accepted rows */
     /* ids kept in backend memory (the drafter on the target's backend, df_draft_device_ok):
      * the verify pass reads the block's ids where the drafter wrote them, so the host queues
      * it behind the drafter pass without waiting (df_backend_ops.submit) */
@@ -128,8 +128,8 @@ static df_status add_taps(spec_ctx *c, df_draft_state *ds, int skip, int n, int3
 static void ctx_free(spec_ctx *c) {
     const df_text_config *tc = &c->s->eng->pack->cfg;
     df_backend *be = c->s->be;
-    float **arrs[] = {c->alt_conv, c->alt_ssm, c->keep};
-    for (size_t i = 0; i < 3; i++) {
+    float **arrs[] = {c->alt_conv, c->alt_ssm, c->rec_qkv, c->rec_z, c->rec_a, c->rec_b};
+    for (size_t i = 0; i < 6; i++) {
         if (!arrs[i]) continue;
         for (int l = 0; l < tc->n_layers; l++) be->ops->dealloc(be, arrs[i][l]);
         free(arrs[i]);
@@ -161,18 +161,25 @@ static df_status ctx_init(spec_ctx *c, df_session *s, df_draft_state *ds, df_err
         if (!c->dids) goto oom;
     }
     const int L = tc->n_layers;
-    float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->keep};
-    for (size_t i = 0; i < 3; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
+    float ***arrs[] = {&c->alt_conv, &c->alt_ssm, &c->rec_qkv, &c->rec_z, &c->rec_a, &c->rec_b};
+    for (size_t i = 0; i < 6; i++) *arrs[i] = calloc((size_t)L, sizeof(float *));
     c->replay = calloc((size_t)L, sizeof *c->replay);
-    if ((c->host_ctx && !c->feats) || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->keep || !c->replay) goto oom;
-    c->redirect = (df_gdn_redirect){.keep = c->keep, .conv = c->alt_conv, .ssm = c->alt_ssm, .P = 0};
-    const size_t keep_bytes = df_gdn_keep_floats(s->conv_ch, tc->lin_n_v_heads) * sizeof(float);
+    if ((c->host_ctx && !c->feats) || !c->dtaps || !c->alt_conv || !c->alt_ssm || !c->rec_qkv || !c->rec_z ||
+        !c->rec_a || !c->rec_b || !c->replay)
+        goto oom;
+    c->redirect = (df_gdn_redirect){.qkv = c->rec_qkv, .z = c->rec_z, .a = c->rec_a, .b = c->rec_b,
+                                    .conv = c->alt_conv, .ssm = c->alt_ssm};
+    const size_t nv = (size_t)tc->lin_n_v_heads, Vd = nv * (size_t)tc->lin_v_head_dim, R = DF_MAX_ROWS;
     for (int l = 0; l < L; l++) {
         if (tc->layer_kinds[l] != DF_LAYER_LINEAR_ATTENTION) continue;
         c->alt_conv[l] = be->ops->alloc(be, df_gdn_conv_bytes(s) + sizeof(float));
         c->alt_ssm[l] = be->ops->alloc(be, df_gdn_ssm_bytes(s));
-        c->keep[l] = be->ops->alloc(be, keep_bytes);
-        if (!c->alt_conv[l] || !c->alt_ssm[l] || !c->keep[l]) goto oom;
+        c->rec_qkv[l] = be->ops->alloc(be, R * (size_t)s->conv_ch * sizeof(float));
+        c->rec_z[l] = be->ops->alloc(be, R * Vd * sizeof(float));
+        c->rec_a[l] = be->ops->alloc(be, R * nv * sizeof(float));
+        c->rec_b[l] = be->ops->alloc(be, R * nv * sizeof(float));
+        if (!c->alt_conv[l] || !c->alt_ssm[l] || !c->rec_qkv[l] || !c->rec_z[l] || !c->rec_a[l] || !c->rec_b[l])
+            goto oom;
     }
     return DF_OK;
 oom:
@@ -180,63 +187,45 @@ oom:
     return df_error_set(err, DF_ERR_NOMEM, "speculative decoding: out of memory for rollback buffers");
 }
 
-/* After a verify pass of Bv rows (gdn_spec: the session's GDN states are those of the pass's
- * start, the states after its rows in alt_*, its projections in keep) of which `rows` were
- * accepted: all of them (rows == Bv): the advanced states become the session's (the buffers
- * trade places: each array keeps one buffer of every pair, so each is still freed once) and
- * nothing is pending; otherwise the next pass replays the accepted rows first (redirect.P). */
+/* After a verify pass of Bv rows that wrote its GDN states to alt_*: all rows accepted (rows ==
+ * Bv): the states become the session's (the buffers trade places: each array keeps one buffer
+ * of every pair, so each is still freed once); otherwise the session's states (still those of
+ * the start of the round) advance by replaying rows 0..rows-1 of the pass. */
 static void settle_gdn(spec_ctx *c, int rows, int Bv) {
-    df_session *s = c->s;
-    const df_text_config *tc = &s->eng->pack->cfg;
-    if (rows < Bv) {
-        c->redirect.P = rows;
-        return;
-    }
-    c->redirect.P = 0;
-    for (int l = 0; l < tc->n_layers; l++) {
-        if (!c->alt_conv[l]) continue;
-        df_session_layer *sl = &s->layer[l];
-        float *t = sl->conv_state;
-        sl->conv_state = c->alt_conv[l];
-        c->alt_conv[l] = t;
-        t = sl->ssm_state;
-        sl->ssm_state = c->alt_ssm[l];
-        c->alt_ssm[l] = t;
-    }
-}
-
-/* Replays the pending accepted rows (redirect.P) into the session's GDN states, every layer at
- * once where the backend can (the same bits as one `gdn` each), so that the session's states
- * are those of its position when decoding ends. */
-static void flush_gdn(spec_ctx *c) {
-    const int P = c->redirect.P;
-    if (P == 0) return;
-    c->redirect.P = 0;
     df_session *s = c->s;
     const df_pack *pk = s->eng->pack;
     const df_text_config *tc = &pk->cfg;
     const df_gdn_shape gsh = {.n_k_heads = tc->lin_n_k_heads, .n_v_heads = tc->lin_n_v_heads,
                               .k_head_dim = tc->lin_k_head_dim, .v_head_dim = tc->lin_v_head_dim,
                               .conv_kernel = tc->conv_kernel, .eps = tc->rms_norm_eps};
-    const size_t C = (size_t)s->conv_ch, nv = (size_t)tc->lin_n_v_heads, R = DF_MAX_ROWS;
     int n = 0;
     for (int l = 0; l < tc->n_layers; l++) {
         if (!c->alt_conv[l]) continue;
         df_session_layer *sl = &s->layer[l];
         const df_layer_weights *w = &pk->layers[l];
-        const float *ka = c->keep[l] + R * C;
-        c->replay[n++] = (df_gdn_layer){.qkv = c->keep[l], .z = NULL, .a = ka, .b = ka + R * nv,
-                                        .conv_w = w->conv1d.data, .A_log = w->A_log.data, .dt_bias = w->dt_bias.data,
-                                        .norm_w = w->gdn_norm.data, .conv_state = sl->conv_state, .S = sl->ssm_state};
+        if (rows == Bv) {
+            float *t = sl->conv_state;
+            sl->conv_state = c->alt_conv[l];
+            c->alt_conv[l] = t;
+            t = sl->ssm_state;
+            sl->ssm_state = c->alt_ssm[l];
+            c->alt_ssm[l] = t;
+        } else {
+            c->replay[n++] = (df_gdn_layer){.qkv = c->rec_qkv[l], .z = c->rec_z[l], .a = c->rec_a[l], .b = c->rec_b[l],
+                                            .conv_w = w->conv1d.data, .A_log = w->A_log.data,
+                                            .dt_bias = w->dt_bias.data, .norm_w = w->gdn_norm.data,
+                                            .conv_state = sl->conv_state, .S = sl->ssm_state};
+        }
     }
     if (n == 0) return;
+    /* every layer's replay at once where the backend can (the same bits as one `gdn` each) */
     if (s->be->ops->gdn_states) {
-        s->be->ops->gdn_states(s->be, &gsh, P, n, c->replay);
+        s->be->ops->gdn_states(s->be, &gsh, rows, n, c->replay);
         return;
     }
     for (int i = 0; i < n; i++) {
         const df_gdn_layer *r = &c->replay[i];
-        s->be->ops->gdn(s->be, &gsh, r->qkv, r->z, r->a, r->b, r->conv_w, r->A_log, r->dt_bias, r->norm_w, P,
+        s->be->ops->gdn(s->be, &gsh, r->qkv, r->z, r->a, r->b, r->conv_w, r->A_log, r->dt_bias, r->norm_w, rows,
                         r->conv_state, r->S, NULL);
     }
 }
@@ -362,10 +351,8 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             Bv = 1; /* one token left, or the fallback's turn: a plain decode step */
         }
         phase_end(&c, &sp, ph_ms, 0, &tp, Bv >= 2);
-        /* a verify pass (or a plain step while accepted rows are pending) leaves the session's
-         * GDN states at its start (settle_gdn) */
-        const int spec_gdn = Bv >= 2 || c.redirect.P > 0;
-        s->gdn_redirect = spec_gdn ? &c.redirect : NULL;
+        /* the verify pass leaves the session's GDN states as they were (settle_gdn) */
+        s->gdn_redirect = Bv >= 2 ? &c.redirect : NULL;
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
         if (dev) {
             st = df_target_forward_argmax_dev(s, c.dids, Bv, c.dids + DF_MAX_ROWS, err);
@@ -397,7 +384,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         }
         /* keep the accepted rows 0..a: positions, and the GDN states */
         s->pos = p0 + a + 1;
-        if (spec_gdn) settle_gdn(&c, a + 1, Bv);
+        if (Bv >= 2) settle_gdn(&c, a + 1, Bv);
         phase_end(&c, &sp, ph_ms, 2, &tp, Bv >= 2);
         if (Bv >= 2) {
             res->draft_rounds++;
@@ -422,7 +409,6 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         }
         df_spec_fallback_record(&fb, Bv >= 2, df_now_ms() - t_round, a + 1);
     }
-    if (st == DF_OK) flush_gdn(&c); /* (after an error the session's states are undefined) */
     s->tap = NULL;
     s->gdn_redirect = NULL;
     res->decode_ms = df_now_ms() - t1;

@@ -253,31 +253,6 @@ typedef struct dev_draw {
  * backend memory). Writes logits [M, vocab] (host) for rows >= logits_from when logits != NULL,
  * the greedy tokens into argmax (host) or d_argmax (backend memory; with dd, M = 1: the token
  * drawn by sample_top_dev), or the k best logits of the one row into tk. */
-/* backend.h `gdn_spec` for the layer's projections in the tile buffers (t1, t2, ta, tb), its
- * output into t3; composed of `gdn` and copies where the backend lacks the op. */
-static void gdn_spec(df_session *s, const df_gdn_shape *gsh, const df_layer_weights *w, int P, float *keep, int M,
-                     df_session_layer *sl, float *conv_out, float *S_out) {
-    df_backend *be = s->be;
-    const df_backend_ops *op = be->ops;
-    if (op->gdn_spec) {
-        op->gdn_spec(be, gsh, P, keep, s->t1, s->t2, s->ta, s->tb, w->conv1d.data, w->A_log.data, w->dt_bias.data,
-                     w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, conv_out, S_out, s->t3);
-        return;
-    }
-    const size_t C = (size_t)s->conv_ch, nv = (size_t)gsh->n_v_heads, R = DF_MAX_ROWS;
-    float *ka = keep + R * C, *kb = ka + R * nv;
-    if (P > 0)
-        op->gdn(be, gsh, keep, NULL, ka, kb, w->conv1d.data, w->A_log.data, w->dt_bias.data, w->gdn_norm.data, P,
-                sl->conv_state, sl->ssm_state, NULL);
-    op->copy(be, conv_out, sl->conv_state, df_gdn_conv_bytes(s));
-    op->copy(be, S_out, sl->ssm_state, df_gdn_ssm_bytes(s));
-    op->gdn(be, gsh, s->t1, s->t2, s->ta, s->tb, w->conv1d.data, w->A_log.data, w->dt_bias.data, w->gdn_norm.data, M,
-            conv_out, S_out, s->t3);
-    op->copy(be, keep, s->t1, (size_t)M * C * sizeof(float));
-    op->copy(be, ka, s->ta, (size_t)M * nv * sizeof(float));
-    op->copy(be, kb, s->tb, (size_t)M * nv * sizeof(float));
-}
-
 static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *d_ids, int M, float *logits,
                               int32_t *argmax, int32_t *d_argmax, const dev_draw *dd, const top_k_out *tk,
                               int logits_from, df_error *err);
@@ -458,12 +433,26 @@ static df_status forward_rows(df_session *s, const int32_t *ids, const int32_t *
             const df_linear *Ws[4] = {&w->in_proj_qkv, &w->in_proj_z, &w->in_proj_a, &w->in_proj_b};
             const df_gdn_redirect *rd = s->gdn_redirect;
             float *ys[4] = {s->t1, s->t2, s->ta, s->tb};
-            norm_linears(s, s->x, w->input_norm.data, M, 4, Ws, ys);
             if (rd) {
-                gdn_spec(s, &gsh, w, rd->P, rd->keep[l], M, sl, rd->conv[l], rd->ssm[l]);
+                ys[0] = rd->qkv[l];
+                ys[1] = rd->z[l];
+                ys[2] = rd->a[l];
+                ys[3] = rd->b[l];
+            }
+            norm_linears(s, s->x, w->input_norm.data, M, 4, Ws, ys);
+            if (rd && op->gdn_to) {
+                op->gdn_to(be, &gsh, ys[0], ys[1], ys[2], ys[3], w->conv1d.data, w->A_log.data, w->dt_bias.data,
+                           w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, rd->conv[l], rd->ssm[l], s->t3);
             } else {
+                float *cs = sl->conv_state, *ss = sl->ssm_state;
+                if (rd) { /* the composition of gdn_to */
+                    op->copy(be, rd->conv[l], cs, df_gdn_conv_bytes(s));
+                    op->copy(be, rd->ssm[l], ss, df_gdn_ssm_bytes(s));
+                    cs = rd->conv[l];
+                    ss = rd->ssm[l];
+                }
                 op->gdn(be, &gsh, ys[0], ys[1], ys[2], ys[3], w->conv1d.data, w->A_log.data, w->dt_bias.data,
-                        w->gdn_norm.data, M, sl->conv_state, sl->ssm_state, s->t3);
+                        w->gdn_norm.data, M, cs, ss, s->t3);
             }
             linear_add(s, &w->out_proj, s->t3, NULL, M, s->x);
         }

@@ -19,15 +19,13 @@ typedef struct df_session_layer {
     float *ssm_state;            /* GDN: [nv, dk, dv] */
 } df_session_layer;
 
-/* How a speculative verify pass runs GDN layer l (backend memory; entries NULL for attention
- * layers): the backend's gdn_spec with keep[l] (the projections of the previous pass's rows, of
- * which the first P are replayed first: the rows it accepted, when it was not accepted whole)
- * and the advanced states of this pass's rows written to conv[l], ssm[l]; the session's own
- * states become those of the start of this pass. */
+/* Where a speculative verify pass puts what GDN layer l computes (backend memory; entries NULL
+ * for attention layers): its projections qkv[l] [M, C], z[l] [M, Vd], a[l], b[l] [M, nv] (kept
+ * so that accepted rows can be replayed on rollback), and its advanced states conv[l], ssm[l]
+ * (the session's own states stay those of the start of the round). */
 typedef struct df_gdn_redirect {
-    float **keep;
+    float **qkv, **z, **a, **b;
     float **conv, **ssm;
-    int P;
 } df_gdn_redirect;
 /* Called with the residual stream [M, hidden] after each layer (drafter context taps). */
 typedef void (*df_tap_fn)(void *user, int layer, const float *x, int M);

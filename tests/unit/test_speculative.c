@@ -320,9 +320,8 @@ static void test_each_partial_length(void **state) {
 }
 
 /* When speculative decoding ends, the session's GDN states are those of its position, whether
- * the last round was accepted whole (its states taken over) or not (its accepted rows replayed
- * then: a pass replays the previous pass's accepted rows only when it runs): the bits of a
- * session that ran the same tokens in tiles. Rounds accept 0..3 drafts of 3, and a stop id ends
+ * the last round was accepted whole (the pass's states taken over) or not (its accepted rows
+ * replayed): the bits of a session that ran the same tokens in tiles. Rounds accept 0..3 drafts of 3, and a stop id ends
  * the output at one of four places, so that the last round ends in each way. */
 static void test_states_at_end(void **state) {
     (void)state;

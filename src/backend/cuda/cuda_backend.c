@@ -1746,38 +1746,28 @@ typedef struct a_gdn {
     float *conv_state, *S, *out, *conv_out;
     gdn_dims d;
     int pre; /* the states are read before waiting for the previous kernel (dfk_gdn_fused) */
-    float *keep;           /* gdn_spec (dfk_gdn_fused only) */
-    const int32_t *p_rows; /* gdn_spec: the rows of keep to replay (the step's parameters) */
 } a_gdn;
 
 static int g_gdn_fused = 1; /* DFLASH_CUDA_GDN_FUSED=0: conv and recurrence as two kernels */
-
-/* 1 when run_gdn takes the fused kernel for this shape. */
-static int gdn_fused_ok(const gdn_dims *d) {
-    return g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH && d->M >= 1;
-}
 
 static int run_gdn(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_gdn *g = args;
     const gdn_dims *d = &g->d;
-    if (g->keep || gdn_fused_ok(d))
+    if (g_gdn_fused && 2 * d->dk + d->dv <= 4 * d->dv && d->nk <= DFK_GDN_MAX_KH && d->M >= 1)
         return dfk_gdn_fused(g->qkv, g->cw, d->K, g->conv_in, g->conv_state, g->z, g->a, g->b, g->al, g->dt, g->nw,
-                             d->nk, d->nv, d->dk, d->dv, d->eps, d->M, g->S_in, g->S, g->out, g->pre, g->keep,
-                             g->p_rows);
+                             d->nk, d->nv, d->dk, d->dv, d->eps, d->M, g->S_in, g->S, g->out, g->pre);
     int st = dfk_gdn_conv(g->qkv, g->cw, d->C, d->K, d->M, g->conv_in, g->conv_state, g->conv_out);
     if (st) return st;
     return dfk_gdn_recurrence(g->conv_out, g->z, g->a, g->b, g->al, g->dt, g->nw, d->nk, d->nv, d->dk, d->dv, d->eps,
                               d->M, g->S_in, g->S, g->out);
 }
 
-/* `gdn` reading the states from conv_in, S_in and writing the advanced ones to conv_state, S
- * (the same buffers: in place); with keep, backend.h `gdn_spec` for P (0..DF_MAX_ROWS) replayed
- * rows, conv_in and S_in then being the states it advances in place first. */
-static void gdn_record(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
-                       const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
-                       const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
-                       float *out, float *keep, int P) {
+/* backend.h `gdn_to` (conv_in == conv_state and S_in == S: `gdn`, in place). */
+static void cu_gdn_to(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
+                      const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
+                      const float *norm_w, int M, const float *conv_in, const float *S_in, float *conv_state, float *S,
+                      float *out) {
     cuda_backend *cb = cub(be);
     a_gdn g;
     memset(&g, 0, sizeof g);
@@ -1802,46 +1792,9 @@ static void gdn_record(df_backend *be, const df_gdn_shape *sh, const float *qkv,
     g.S = S;
     g.out = out;
     g.pre = df_step_writes_first(&cb->sw, S_in) == INT_MAX && df_step_writes_first(&cb->sw, conv_in) == INT_MAX;
-    if (keep) {
-        const size_t off = params(cb, 1);
-        hparams(cb)[off] = P;
-        g.p_rows = cb->dparams + off;
-        g.keep = keep;
-        g.pre = g.pre && df_step_writes_first(&cb->sw, keep) == INT_MAX;
-        df_step_writes_note(&cb->sw, keep, 0);
-        df_step_writes_note(&cb->sw, S_in, 0);
-        df_step_writes_note(&cb->sw, conv_in, 0);
-    }
     df_step_writes_note(&cb->sw, S, 0);
     df_step_writes_note(&cb->sw, conv_state, 0);
-    record(cb, run_gdn, keep ? "gdn spec" : "gdn", &g, sizeof g);
-}
-
-/* backend.h `gdn_spec`: one fused kernel (dfk_gdn_fused with keep, P in the step's parameters so
- * that replayed graphs differ there only); where run_gdn would not take the fused kernel, the
- * composition of backend.h (`gdn` for the replay, copies). */
-static void cu_gdn_spec(df_backend *be, const df_gdn_shape *sh, int P, float *keep, const float *qkv, const float *z,
-                        const float *a, const float *b, const float *conv_w, const float *A_log, const float *dt_bias,
-                        const float *norm_w, int M, float *conv_state, float *S, float *conv_out, float *S_out,
-                        float *out) {
-    cuda_backend *cb = cub(be);
-    if (P < 0 || P > DF_MAX_ROWS || M < 1 || M > DF_MAX_ROWS) {
-        if (!be->failed) fail(cb, "gdn_spec: %d replayed rows and %d rows (at most %d each)", P, M, DF_MAX_ROWS);
-        return;
-    }
-    const gdn_dims d = gdn_dims_of(sh, M);
-    if (gdn_fused_ok(&d)) {
-        gdn_record(be, sh, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, M, conv_state, S, conv_out, S_out, out, keep,
-                   P);
-        return;
-    }
-    const size_t C = (size_t)d.C, nv = (size_t)d.nv, R = DF_MAX_ROWS;
-    float *ka = keep + R * C, *kb = ka + R * nv;
-    if (P > 0) gdn_record(be, sh, keep, NULL, ka, kb, conv_w, A_log, dt_bias, norm_w, P, conv_state, S, conv_state, S, NULL, NULL, 0);
-    gdn_record(be, sh, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, M, conv_state, S, conv_out, S_out, out, NULL, 0);
-    cu_copy(be, keep, qkv, (size_t)M * C * sizeof(float));
-    cu_copy(be, ka, a, (size_t)M * nv * sizeof(float));
-    cu_copy(be, kb, b, (size_t)M * nv * sizeof(float));
+    record(cb, run_gdn, "gdn", &g, sizeof g);
 }
 
 typedef struct a_gdn_multi {
@@ -1907,7 +1860,7 @@ static void cu_gdn_states(df_backend *be, const df_gdn_shape *sh, int M, int n, 
 static void cu_gdn(df_backend *be, const df_gdn_shape *sh, const float *qkv, const float *z, const float *a,
                    const float *b, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w,
                    int M, float *conv_state, float *S, float *out) {
-    gdn_record(be, sh, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, M, conv_state, S, conv_state, S, out, NULL, 0);
+    cu_gdn_to(be, sh, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, M, conv_state, S, conv_state, S, out);
 }
 
 typedef struct a_dyn {
@@ -2153,7 +2106,7 @@ static void cu_destroy(df_backend *be) {
     .top_k = cu_top_k, \
     .linears = cu_linears, \
     .linear_add = cu_linear_add, \
-    .gdn_spec = cu_gdn_spec, \
+    .gdn_to = cu_gdn_to, \
     .gdn_states = cu_gdn_states,
 
 /* token ids in backend memory (backend.h) */

@@ -1758,15 +1758,10 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 template <int KM>
 static __device__ __forceinline__ void gdn_conv_rows(const float *qkv, int C, int K, int ch, int m0, int n,
                                                      float (&win)[KM], const float (&wk)[KM], float *out,
-                                                     size_t ostride, float *copy = NULL, size_t cstride = 0) {
-    float xr[16]; /* the inputs of the rows, loaded together (and copied to copy[r · cstride]) */
+                                                     size_t ostride) {
+    float xr[16]; /* the inputs of the rows, loaded together */
 #pragma unroll
     for (int r = 0; r < 16; r++) xr[r] = r < n ? __ldcg(&qkv[(size_t)(m0 + r) * (size_t)C + (size_t)ch]) : 0.0f;
-    if (copy) {
-#pragma unroll
-        for (int r = 0; r < 16; r++)
-            if (r < n) copy[(size_t)r * cstride] = xr[r];
-    }
 #pragma unroll
     for (int r = 0; r < 16; r++) {
         if (r >= n) break;
@@ -1865,11 +1860,6 @@ struct gdn_fconv {
     const float *qkv, *w, *state_in;
     float *state;
     int K;
-    /* gdn_spec (keep != NULL): the rows to replay first (*p_rows of keep's: dfk_gdn_fused), whose
-     * advanced states go to S_rp, conv_rp (the buffers S_in, state_in: in place); this call's
-     * rows are then copied into keep */
-    float *keep, *S_rp, *conv_rp;
-    const int32_t *p_rows;
 };
 
 /* Tickets of k_gdn_fused's key heads (at most GDN_MAX_KH): the blocks of a key head's value
@@ -1924,29 +1914,17 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
      * the norm at the end reads them without a round trip to L2 on its path (dv <= 256) */
     __shared__ float nws[256];
     if (out && tid < dv) nws[tid] = __ldg(&norm_w[tid]);
-    /* FUSED gdn_spec (fc.keep): P rows of keep replayed first (states only), their states kept
-     * (S in place at once; the conv windows in shared memory, cwr, until the block's end), then
-     * this call's rows, copied into keep (the q/k channels through shared memory, qkst, by the
-     * last block of the key head at its end: its siblings may still be replaying keep's rows) */
-    float *cwr = cbuf + GDN_RB * nch;                          /* [K-1][nch] */
-    float *qkst = FUSED ? cwr + (fc.K - 1) * nch : NULL;       /* [GDN_RB][2·DK] */
-    int P = 0;
-    if constexpr (FUSED)
-        if (fc.keep) P = __ldcg(fc.p_rows);
-    /* One batch of nb <= GDN_RB rows m0.. from the projections xq (FUSED; else conv_out), pa, pb
-     * (and z when po): the recurrence, po (NULL: states only), and with kp the rows' inputs
-     * copied into keep. Called for the replay (replay: no ticket) and then for this call's rows
-     * (inlined twice, each with its own constants). */
-    auto batch = [&](const int m0, const int nb, const float *xq, const float *pa, const float *pb, float *po,
-                     float *kp, const bool replay) {
+    if (pdl_site) k_pdl_begin_(pdl_site);
+    for (int m0 = 0; m0 < M; m0 += GDN_RB) {
+        const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
         /* this warp's first row's gate inputs, loaded now: their latency overlaps the conv's */
-        const float bin0 = lane == 0 && warp < nb ? __ldcg(&pb[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
-        const float ain0 = lane == 0 && warp < nb ? __ldcg(&pa[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
+        const float bin0 = lane == 0 && warp < nb ? __ldcg(&b[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
+        const float ain0 = lane == 0 && warp < nb ? __ldcg(&a[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
         /* silu(z) of this warp's first row of the batch for the gated norm at the end (dv <= 256:
          * 8 per lane at most), loaded and computed now, while the state's loads are in flight,
          * instead of after the recurrence (the same values) */
         float zsl[8] = {};
-        if (po && warp < nb) {
+        if (out && warp < nb) {
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 const int e = lane + 32 * i;
@@ -1954,15 +1932,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
         }
         if constexpr (FUSED) {
-            if (tid < nch) {
-                float *cp = NULL;
-                size_t cs = 0;
-                if (kp) {
-                    cp = tid < 2 * DK ? qkst + (size_t)m0 * (size_t)(2 * DK) + tid : kp + (size_t)m0 * (size_t)C + (size_t)cch;
-                    cs = tid < 2 * DK ? (size_t)(2 * DK) : (size_t)C;
-                }
-                gdn_conv_rows(xq, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch, cp, cs);
-            }
+            if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
             __syncthreads();
             DFK_TR_PHASE(0, 1);
             /* the windows are read (their values used by the conv, before the barrier): this
@@ -1970,19 +1940,14 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
              * that orders the block's window loads before it; taken by the last warp, which has
              * a row below only when the batch has all GDN_RB rows (the fence and the atomic's
              * round trip are off the first rows' path) */
-            if (!replay && m0 == 0 && tid == ticket_tid && nv > nk) {
+            if (m0 == 0 && tid == ticket_tid && nv > nk) {
                 __threadfence();
                 ticket = atomicAdd(&g_gdn_tickets[kh], 1u);
             }
         }
         for (int r = warp; r < nb; r += nwarps) {
-            const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&pb[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
-            const float ain = r == warp ? ain0 : lane == 0 ? __ldcg(&pa[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
-            if (kp && lane == 0) { /* (FUSED gdn_spec) */
-                float *kpa = kp + (size_t)DFK_MAX_ROWS * (size_t)C;
-                kpa[(size_t)(m0 + r) * (size_t)nv + (size_t)j] = ain;
-                kpa[(size_t)(DFK_MAX_ROWS + m0 + r) * (size_t)nv + (size_t)j] = bin;
-            }
+            const float bin = r == warp ? bin0 : lane == 0 ? __ldcg(&b[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
+            const float ain = r == warp ? ain0 : lane == 0 ? __ldcg(&a[(size_t)(m0 + r) * (size_t)nv + (size_t)j]) : 0.0f;
             const float *row = FUSED ? NULL : conv_out + (size_t)(m0 + r) * (size_t)C;
             float qv[PL], kv[PL], sq = 0.0f, sk = 0.0f;
 #pragma unroll
@@ -2046,7 +2011,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             if (grp == 0) osm[r * dv + v] = ((part2[v] + part2[dv + v]) + part2[2 * dv + v]) + part2[3 * dv + v];
         }
         DFK_TR_PHASE(0, 3);
-        if (po) {
+        if (out) {
             __syncthreads(); /* osm */
             for (int r = warp; r < nb; r += nwarps) {
                 const size_t m = (size_t)(m0 + r);
@@ -2059,29 +2024,13 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
                     if (e >= dv) break;
                     const size_t oi = m * (size_t)Vd + (size_t)j * (size_t)dv + (size_t)e;
                     const float sz = r == warp ? zsl[i] : silu_f(__ldcg(&z[oi]));
-                    po[oi] = (nws[e] * (osm[r * dv + e] * inv)) * sz;
+                    out[oi] = (nws[e] * (osm[r * dv + e] * inv)) * sz;
                 }
             }
         }
         __syncthreads(); /* the batch's shared arrays are rewritten by the next */
         DFK_TR_PHASE(0, 4);
-    };
-    if constexpr (FUSED) {
-        if (P > 0) { /* the replay: keep's rows, states only; their states kept */
-            const float *ka = fc.keep + (size_t)DFK_MAX_ROWS * (size_t)C;
-            batch(0, P, fc.keep, ka, ka + (size_t)DFK_MAX_ROWS * (size_t)nv, NULL, NULL, true);
-#pragma unroll
-            for (int i = 0; i < SPT; i++)
-                fc.S_rp[(size_t)j * (size_t)DK * (size_t)dv + (size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
-            if (tid < nch)
-#pragma unroll
-                for (int q = 0; q < KMC; q++)
-                    if (q < fc.K - 1) cwr[q * nch + tid] = cwin[q];
-        }
     }
-    if (pdl_site) k_pdl_begin_(pdl_site);
-    for (int m0 = 0; m0 < M; m0 += GDN_RB)
-        batch(m0, M - m0 < GDN_RB ? M - m0 : GDN_RB, FUSED ? fc.qkv : NULL, a, b, out, FUSED ? fc.keep : NULL, false);
 #pragma unroll
     for (int i = 0; i < SPT; i++) Sj[(size_t)(grp * SPT + i) * (size_t)dv + (size_t)v] = s[i];
     /* FUSED: the advanced conv states. A q/k channel is shared by the R = nv/nk heads of its key
@@ -2105,15 +2054,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
             __syncthreads();
         }
-        if (tid < nch && (tid >= 2 * DK || R == 1 || last_in)) {
-            gdn_conv_store(C, fc.K, cch, cwin, fc.state);
-            if (P > 0) /* the windows after the replay, in place */
-#pragma unroll
-                for (int q = 0; q < KMC; q++)
-                    if (q < fc.K - 1) fc.conv_rp[(size_t)q * (size_t)C + (size_t)cch] = cwr[q * nch + tid];
-            if (fc.keep && tid < 2 * DK) /* this call's q/k rows into keep (its v rows went there in the conv) */
-                for (int r = 0; r < M; r++) fc.keep[(size_t)r * (size_t)C + (size_t)cch] = qkst[r * 2 * DK + tid];
-        }
+        if (tid < nch && (tid >= 2 * DK || R == 1 || last_in)) gdn_conv_store(C, fc.K, cch, cwin, fc.state);
     }
     DFK_TR_PHASE(0, 5);
 }
@@ -2136,11 +2077,10 @@ __global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float
                                                    float *conv_state, const float *z, const float *a, const float *b,
                                                    const float *A_log, const float *dt_bias, const float *norm_w,
                                                    int nk, int nv, int dv, float eps, int M, const float *S_in,
-                                                   float *S, float *out, int pre, float *keep, const int32_t *p_rows) {
+                                                   float *S, float *out, int pre) {
     const unsigned site = DFK_TR_SITE(0);
     if (!pre) k_pdl_begin_(site);
-    const gdn_fconv fc = {qkv, conv_w, conv_in, conv_state, K, keep, const_cast<float *>(S_in),
-                          const_cast<float *>(conv_in), p_rows};
+    const gdn_fconv fc = {qkv, conv_w, conv_in, conv_state, K};
     gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc,
                                   pre ? site : 0u);
 }
@@ -2190,12 +2130,10 @@ template <int KMC>
 static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, const float *conv_w, int K,
                             const float *conv_in, float *conv_state, const float *z, const float *a, const float *b,
                             const float *A_log, const float *dt_bias, const float *norm_w, int nk, int nv, int dv,
-                            float eps, int M, const float *S_in, float *S, float *out, int pre, float *keep,
-                            const int32_t *p_rows) {
+                            float eps, int M, const float *S_in, float *S, float *out, int pre) {
     void (*kern)(const float *, const float *, int, const float *, float *, const float *, const float *,
                  const float *, const float *, const float *, const float *, int, int, int, float, int, const float *,
-                 float *, float *, int, float *, const int32_t *) =
-        dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
+                 float *, float *, int) = dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
     if (dk != 32 && dk != 64 && dk != 128) return -1;
     static bool attr[3];
     const int ai = dk == 32 ? 0 : (dk == 64 ? 1 : 2);
@@ -2205,26 +2143,22 @@ static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, 
         attr[ai] = true;
     }
     return launch_k(kern, dim3((unsigned)nv), dim3((unsigned)threads), smem, qkv, conv_w, K, conv_in, conv_state, z,
-                    a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre, keep, p_rows);
+                    a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre);
 }
 
 extern "C" int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                              const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                              const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in,
-                             float *S, float *out, int pre, float *keep, const int32_t *p_rows) {
+                             float *S, float *out, int pre) {
     const int threads = 4 * dv;
     if (K < 1 || K > GDN_MAX_K || dv < 1 || threads > 1024 || (threads & (threads - 1)) != 0 || dk > threads ||
-        nv % nk != 0 || 2 * dk + dv > threads || nk > GDN_MAX_KH || M < 1 ||
-        (keep && (!p_rows || M > DFK_MAX_ROWS || conv_in == conv_state || S_in == S)))
+        nv % nk != 0 || 2 * dk + dv > threads || nk > GDN_MAX_KH || M < 1)
         return -1;
-    size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
-    if (keep) /* the windows after the replay, this call's q/k rows */
-        smem += ((size_t)(K - 1) * (size_t)(2 * dk + dv) + (size_t)GDN_RB * (size_t)(2 * dk)) * sizeof(float);
+    const size_t smem = gdn_rec_smem(dk, dv) + (size_t)GDN_RB * (size_t)(2 * dk + dv) * sizeof(float);
     return K <= 4 ? gdn_fused_launch<4>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b, A_log,
-                                        dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre, keep, p_rows)
+                                          dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre)
                   : gdn_fused_launch<GDN_MAX_K>(dk, smem, threads, qkv, conv_w, K, conv_in, conv_state, z, a, b,
-                                                A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre, keep,
-                                                p_rows);
+                                                A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, pre);
 }
 
 extern "C" int dfk_gdn_multi(const dfk_gdn_job *jobs, int n, int C, int K, int nk, int nv, int dk, int dv, float eps,

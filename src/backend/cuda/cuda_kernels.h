@@ -324,21 +324,17 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
 
 /* dfk_gdn_conv then dfk_gdn_recurrence in one kernel (block j convolves its head's q, k and v
  * channels into shared memory: the same bits as the two calls); no conv_out scratch. pre = 1:
- * the states S_in and conv_in (and keep, *p_rows) are read before waiting for the previous
- * kernel (programmatic dependent launch), which the caller allows only where no kernel since the
- * last host synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds
- * 4·dv, nk exceeds DFK_GDN_MAX_KH, or M < 1). A key head's q/k windows are written by the last of
- * its value heads' blocks to have used them (so in place, conv_in == conv_state, no block reads a
- * window a sibling already advanced, in whatever order the blocks run).
- * keep != NULL: backend.h `gdn_spec` (keep's layout there; M <= DFK_MAX_ROWS; conv_in, S_in
- * other buffers than conv_state, S): first the *p_rows (device int, 0..DFK_MAX_ROWS) rows of
- * keep, states only, whose advanced states are written in place to conv_in and S_in; then the M
- * rows, whose states go to conv_state and S; then the M rows' qkv, a and b into keep. */
+ * the states S_in and conv_in are read before waiting for the previous kernel (programmatic
+ * dependent launch), which the caller allows only where no kernel since the last host
+ * synchronization wrote them. -1 for an unsupported shape (also when 2·dk + dv exceeds 4·dv,
+ * nk exceeds DFK_GDN_MAX_KH, or M < 1). A key head's q/k windows are written by the last of
+ * its value heads' blocks to have used them (so in place, conv_in == conv_state, no block
+ * reads a window a sibling already advanced, in whatever order the blocks run). */
 #define DFK_GDN_MAX_KH 1024
 int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                   const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                   const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in, float *S,
-                  float *out, int pre, float *keep, const int32_t *p_rows);
+                  float *out, int pre);
 
 /* One layer of dfk_gdn_multi (device pointers; conv_out: [M, C] scratch of its own). */
 typedef struct dfk_gdn_job {
