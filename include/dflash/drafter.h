@@ -94,16 +94,6 @@ df_status df_draft_add_context(df_draft_state *st, const float *feats, int n, in
  * transfer): the taps the speculative loop gathers there. */
 df_status df_draft_add_context_device(df_draft_state *st, const float *feats, int n, int32_t first_pos,
                                       df_error *err);
-/* Context rows in two steps, for rows of which only a prefix will be kept (a verify pass's,
- * before its tokens are read): df_draft_stage_context_device computes the K/V of n (1..16)
- * rows of features [n, n_taps*hidden] in the drafter backend's memory, at positions
- * first_pos.., without adding them to the context; df_draft_commit_context then adds the first
- * k (0..n) of them, with the bits and the window of df_draft_add_context_device for those k
- * rows. A draft block drafted between the two overwrites the staged rows. Errors:
- * DF_ERR_INVALID_ARG (n, k), DF_ERR_NOMEM. */
-df_status df_draft_stage_context_device(df_draft_state *st, const float *feats, int n, int32_t first_pos,
-                                        df_error *err);
-df_status df_draft_commit_context(df_draft_state *st, int k, df_error *err);
 
 /* Drafts a block of B rows (2 <= B <= 16): row 0 = `bonus` at position p0, rows 1..B-1 =
  * mask tokens. drafts[B-1] receives the proposals for rows 1..B-1: the argmax of their

@@ -356,9 +356,6 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
         int32_t t[DF_MAX_ROWS]; /* the target's greedy token after each row (argmax where the logits are) */
         if (dev) {
             st = df_target_forward_argmax_dev(s, c.dids, Bv, c.dids + DF_MAX_ROWS, err);
-            /* the drafter's context K/V of every row, computed before the tokens are read (the
-             * accepted ones are committed below): the device runs them while the host reads */
-            if (st == DF_OK) st = df_draft_stage_context_device(ds, c.dtaps, Bv, p0, err);
             if (st == DF_OK) { /* the block's ids and the target's tokens in one read */
                 int32_t both[2 * DF_MAX_ROWS];
                 s->be->ops->to_host(s->be, both, c.dids, sizeof both);
@@ -400,7 +397,7 @@ df_status df_generate_speculative(df_session *s, df_draft_state *ds, const int32
             if (st == DF_OK && out.finish == DF_FINISH_NONE && out.n_ids >= max_tokens) out.finish = DF_FINISH_LENGTH;
         }
         if (st != DF_OK || out.finish != DF_FINISH_NONE) break;
-        st = dev ? df_draft_commit_context(ds, a + 1, err) : add_taps(&c, ds, 0, a + 1, p0, err);
+        st = add_taps(&c, ds, 0, a + 1, p0, err);
         phase_end(&c, &sp, ph_ms, 3, &tp, Bv >= 2);
         bonus = t[a];
         if (sp.adaptive && Bv >= 2) {

@@ -50,7 +50,6 @@ struct df_drafter {
 struct df_draft_state {
     df_drafter *d;
     int window, len;
-    int staged;                 /* rows staged after the context (df_draft_stage_context_device) */
     float **k_cache, **v_cache; /* per layer [window + DF_MAX_ROWS, n_kv, head_dim] */
     float *x, *h, *y, *t1, *t2, *t3, *tk, *tv, *ctx, *dyn;
     float *logits;
@@ -664,10 +663,7 @@ void df_draft_state_free(df_draft_state *s) {
     free(s);
 }
 
-void df_draft_state_reset(df_draft_state *s) {
-    s->len = 0;
-    s->staged = 0;
-}
+void df_draft_state_reset(df_draft_state *s) { s->len = 0; }
 int df_draft_state_len(const df_draft_state *s) { return s->len; }
 df_drafter *df_draft_state_drafter(const df_draft_state *s) { return s->d; }
 int df_draft_state_window(const df_draft_state *s) { return s->window; }
@@ -684,90 +680,69 @@ static df_attn_shape attn_shape(const df_drafter_config *c, int l) {
     return sh;
 }
 
-/* Drops the oldest rows of the context so that it holds at most `keep` rows (the cache's rows
- * moved down; their positions are in their keys already). */
-static void keep_last(df_draft_state *s, int keep) {
-    if (s->len <= keep) return;
-    df_drafter *d = s->d;
-    const df_drafter_config *c = &d->cfg;
-    df_backend *be = dbe(d);
-    const size_t kv = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    const int drop = s->len - keep;
-    for (int l = 0; l < c->n_layers; l++) {
-        be->ops->copy(be, s->k_cache[l], s->k_cache[l] + (size_t)drop * kv, (size_t)keep * kv * sizeof(float));
-        be->ops->copy(be, s->v_cache[l], s->v_cache[l] + (size_t)drop * kv, (size_t)keep * kv * sizeof(float));
-    }
-    s->len = keep;
-}
-
-/* The context K/V of M <= DF_MAX_ROWS rows of features fi (in the backend's memory when
- * on_device, else on the host) at positions first_pos.. into the cache rows s->len.. (s->len
- * unchanged; room for them: s->len + M <= window + DF_MAX_ROWS). */
-static void context_rows(df_draft_state *s, const float *fi, int on_device, int M, int32_t first_pos) {
+/* df_draft_add_context and df_draft_add_context_device: feats on the host (on_device 0) or in
+ * the drafter backend's memory. */
+static df_status add_context(df_draft_state *s, const float *feats, int on_device, int n, int32_t first_pos,
+                             df_error *err) {
     df_drafter *d = s->d;
     const df_drafter_config *c = &d->cfg;
     df_backend *be = dbe(d);
     const df_backend_ops *op = be->ops;
     const int H = c->hidden_size, F = c->n_taps * H;
     const size_t kv = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    const df_attn_shape sh = attn_shape(c, -1);
-    int32_t pos[DF_MAX_ROWS];
-    for (int m = 0; m < M; m++) pos[m] = first_pos + m;
-    if (!on_device) {
-        op->to_device(be, s->t1, fi, (size_t)M * (size_t)F * sizeof(float));
-        fi = s->t1;
-    }
-    op->linear(be, &d->fc, fi, M, s->y);
-    /* every layer's K and V projections of the one input hidden_norm(fc(feats)), four linears a
-     * `linears` call with the norm fused where the backend has it (a GPU runs each call as one
-     * launch), into t2 (K) and t3 (V), layer l at offset l·M·kv; t1 (the features) is free once
-     * fc has run */
-    if (!op->linears) op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
-    const df_linear *Ws[4];
-    float *ys[4];
-    int k = 0;
-    for (int l = 0; l < c->n_layers; l++)
-        for (int j = 0; j < 2; j++) {
-            Ws[k] = j ? &d->layers[l].v : &d->layers[l].k;
-            ys[k] = (j ? s->t3 : s->t2) + (size_t)l * (size_t)M * kv;
-            if (++k < 4 && !(l == c->n_layers - 1 && j == 1)) continue;
-            if (op->linears) op->linears(be, s->y, d->hidden_norm.data, c->rms_norm_eps, M, H, k, Ws, ys, NULL);
-            else
-                for (int q = 0; q < k; q++) op->linear(be, Ws[q], s->ctx, M, ys[q]);
-            k = 0;
-        }
-    for (int l = 0; l < c->n_layers; l++) {
-        const size_t o = (size_t)l * (size_t)M * kv;
-        op->kv_append(be, &sh, s->t2 + o, s->t3 + o, d->layers[l].k_norm.data, pos, M, s->k_cache[l], s->v_cache[l],
-                      s->len);
-    }
-}
-
-static df_status scratch_status(df_draft_state *s, df_error *err) {
-    df_backend *be = dbe(s->d);
-    if (!be->failed) return DF_OK;
-    be->failed = 0;
-    return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
-}
-
-/* df_draft_add_context and df_draft_add_context_device: feats on the host (on_device 0) or in
- * the drafter backend's memory. */
-static df_status add_context(df_draft_state *s, const float *feats, int on_device, int n, int32_t first_pos,
-                             df_error *err) {
-    const df_drafter_config *c = &s->d->cfg;
-    const int F = c->n_taps * c->hidden_size;
     if (n > s->window) { /* only the last `window` rows can ever be attended */
         feats += (size_t)(n - s->window) * (size_t)F;
         first_pos += n - s->window;
         n = s->window;
     }
-    keep_last(s, s->window - n);
+    if (s->len + n > s->window) { /* drop the oldest rows */
+        int drop = s->len + n - s->window;
+        for (int l = 0; l < c->n_layers; l++) {
+            op->copy(be, s->k_cache[l], s->k_cache[l] + (size_t)drop * kv, (size_t)(s->len - drop) * kv * sizeof(float));
+            op->copy(be, s->v_cache[l], s->v_cache[l] + (size_t)drop * kv, (size_t)(s->len - drop) * kv * sizeof(float));
+        }
+        s->len -= drop;
+    }
+    const df_attn_shape sh = attn_shape(c, -1);
     for (int i = 0; i < n; i += DF_MAX_ROWS) {
-        const int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
-        context_rows(s, feats + (size_t)i * (size_t)F, on_device, M, first_pos + i);
+        int M = n - i < DF_MAX_ROWS ? n - i : DF_MAX_ROWS;
+        int32_t pos[DF_MAX_ROWS];
+        for (int m = 0; m < M; m++) pos[m] = first_pos + i + m;
+        const float *fi = feats + (size_t)i * (size_t)F;
+        if (!on_device) {
+            op->to_device(be, s->t1, fi, (size_t)M * (size_t)F * sizeof(float));
+            fi = s->t1;
+        }
+        op->linear(be, &d->fc, fi, M, s->y);
+        op->rmsnorm(be, s->y, d->hidden_norm.data, M, H, c->rms_norm_eps, s->ctx);
+        /* every layer's K and V projections of the one input ctx, four linears a `linears` call
+         * where the backend has it (a GPU runs each call as one launch), into t2 (K) and t3 (V),
+         * layer l at offset l·M·kv; t1 (the features) is free once fc has run */
+        const df_linear *Ws[4];
+        float *ys[4];
+        int k = 0;
+        for (int l = 0; l < c->n_layers; l++)
+            for (int j = 0; j < 2; j++) {
+                Ws[k] = j ? &d->layers[l].v : &d->layers[l].k;
+                ys[k] = (j ? s->t3 : s->t2) + (size_t)l * (size_t)M * kv;
+                if (++k < 4 && !(l == c->n_layers - 1 && j == 1)) continue;
+                if (op->linears) op->linears(be, s->ctx, NULL, 0.0f, M, H, k, Ws, ys, NULL);
+                else
+                    for (int q = 0; q < k; q++) op->linear(be, Ws[q], s->ctx, M, ys[q]);
+                k = 0;
+            }
+        for (int l = 0; l < c->n_layers; l++) {
+            const size_t o = (size_t)l * (size_t)M * kv;
+            op->kv_append(be, &sh, s->t2 + o, s->t3 + o, d->layers[l].k_norm.data, pos, M, s->k_cache[l],
+                          s->v_cache[l], s->len);
+        }
         s->len += M;
     }
-    return scratch_status(s, err);
+    if (be->failed) {
+        be->failed = 0;
+        return df_error_set(err, DF_ERR_NOMEM, "drafter: out of memory for scratch buffers");
+    }
+    return DF_OK;
 }
 
 df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int32_t first_pos, df_error *err) {
@@ -777,26 +752,6 @@ df_status df_draft_add_context(df_draft_state *s, const float *feats, int n, int
 df_status df_draft_add_context_device(df_draft_state *s, const float *feats, int n, int32_t first_pos,
                                       df_error *err) {
     return add_context(s, feats, 1, n, first_pos, err);
-}
-
-df_status df_draft_stage_context_device(df_draft_state *s, const float *feats, int n, int32_t first_pos,
-                                        df_error *err) {
-    if (n < 1 || n > DF_MAX_ROWS)
-        return df_error_set(err, DF_ERR_INVALID_ARG, "drafter: %d staged context rows (1..%d)", n, DF_MAX_ROWS);
-    s->staged = 0;
-    context_rows(s, feats, 1, n, first_pos);
-    df_status st = scratch_status(s, err);
-    if (st == DF_OK) s->staged = n;
-    return st;
-}
-
-df_status df_draft_commit_context(df_draft_state *s, int k, df_error *err) {
-    if (k < 0 || k > s->staged)
-        return df_error_set(err, DF_ERR_INVALID_ARG, "drafter: %d of %d staged context rows committed", k, s->staged);
-    s->len += k;
-    s->staged = 0;
-    keep_last(s, s->window);
-    return scratch_status(s, err);
 }
 
 static float cb_at(const df_tensor *t, size_t i) {
@@ -868,8 +823,7 @@ static const float *block_input(df_draft_state *s, const float *norm_w, const df
 }
 
 /* The block's forward pass of df_draft_block: the normed hidden states into s->h [B, hidden]
- * (and `hidden` on the host when not NULL; rows 1..B-1 only when it is NULL), rows 1..B-1
- * through the target's lm_head into
+ * (and `hidden` on the host when not NULL), rows 1..B-1 through the target's lm_head into
  * s->logits [B-1, vocab] (raw: no multiplier, no softcapping). Recorded, not awaited. */
 static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int B, float *hidden, df_error *err) {
     df_drafter *d = s->d;
@@ -880,8 +834,6 @@ static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int
     const int H = c->hidden_size;
     if (B < 2 || B > DF_MAX_ROWS) return df_error_set(err, DF_ERR_INVALID_ARG, "draft block size %d outside 2..%d", B,
                                                       DF_MAX_ROWS);
-    if (s->staged)
-        return df_error_set(err, DF_ERR_INVALID_ARG, "drafter: %d staged context rows not committed", s->staged);
     int32_t ids[DF_MAX_ROWS], pos[DF_MAX_ROWS];
     for (int m = 0; m < B; m++) {
         ids[m] = m == 0 ? bonus : c->mask_token_id;
@@ -947,12 +899,6 @@ static df_status draft_forward(df_draft_state *s, int32_t bonus, int32_t p0, int
         } else {
             op->add(be, s->x, s->y, BH);
         }
-    }
-    if (!hidden && op->linears) { /* the final norm of rows 1..B-1 fused with lm_head (the same bits) */
-        const df_linear *Wl[1] = {&pk->lm_head};
-        float *yl[1] = {s->logits};
-        op->linears(be, s->x + H, d->norm.data, c->rms_norm_eps, B - 1, H, 1, Wl, yl, s->h + H);
-        return DF_OK;
     }
     op->rmsnorm(be, s->x, d->norm.data, B, H, c->rms_norm_eps, s->h);
     if (hidden) op->to_host(be, hidden, s->h, BH * sizeof(float));

@@ -209,56 +209,6 @@ static void test_speculative_equals_plain(void **state) {
     df_drafter_free(d);
 }
 
-/* The drafter on the GPU: context rows staged and then partly committed == the same rows added
- * (df_draft_commit_context), and a block drafted without its hidden states (the final norm fused
- * with lm_head) == with them: the same logits and drafts, bit for bit, with a window that keeps
- * the whole context and one that drops rows at the commit. */
-static void test_drafter_paths(void **state) {
-    (void)state;
-    NEED_GPU();
-    df_error err = {0};
-    df_drafter *d = NULL;
-    if (df_drafter_load(&d, tu_fixture("tiny-dflash"), g_eng, &err) != DF_OK) fail_msg("drafter: %s", err.msg);
-    df_tensor_set *ts = NULL;
-    assert_int_equal(df_tensors_open_file(&ts, tu_fixture("tiny-dflash/reference.safetensors"), &err), DF_OK);
-    const df_tensor *feat = ref_get(ts, "context_feature");
-    const int F = (int)feat->shape[1], n0 = 20, ns = 6, B = 4, V = df_engine_vocab_size(g_eng);
-    assert_true((int)feat->shape[0] >= n0 + ns);
-    df_backend *be = g_eng->be;
-    float *dfeat = be->ops->alloc(be, (size_t)ns * (size_t)F * sizeof(float));
-    be->ops->to_device(be, dfeat, (const float *)feat->data + (size_t)n0 * (size_t)F, (size_t)ns * (size_t)F * sizeof(float));
-    float *la = malloc((size_t)(B - 1) * V * sizeof(float)), *lb = malloc((size_t)(B - 1) * V * sizeof(float));
-    float *hid = malloc((size_t)B * 4096 * sizeof(float));
-    const int windows[] = {4096, 23};
-    const int ks[] = {1, 3, 6};
-    for (int w = 0; w < 2; w++)
-        for (int ki = 0; ki < 3; ki++) {
-            const int k = ks[ki];
-            df_draft_state *a = NULL, *b = NULL;
-            assert_int_equal(df_draft_state_init(&a, d, windows[w], &err), DF_OK);
-            assert_int_equal(df_draft_state_init(&b, d, windows[w], &err), DF_OK);
-            assert_int_equal(df_draft_add_context(a, feat->data, n0, 0, &err), DF_OK);
-            assert_int_equal(df_draft_add_context(b, feat->data, n0, 0, &err), DF_OK);
-            assert_int_equal(df_draft_add_context_device(a, dfeat, k, n0, &err), DF_OK);
-            assert_int_equal(df_draft_stage_context_device(b, dfeat, ns, n0, &err), DF_OK);
-            assert_int_equal(df_draft_commit_context(b, k, &err), DF_OK);
-            int32_t da[16], db[16];
-            assert_int_equal(df_draft_block(a, 5, n0 + k, B, da, hid, la, &err), DF_OK);
-            assert_int_equal(df_draft_block(b, 5, n0 + k, B, db, NULL, lb, &err), DF_OK);
-            if (memcmp(la, lb, (size_t)(B - 1) * V * sizeof(float)) != 0 || memcmp(da, db, (size_t)(B - 1) * sizeof(int32_t)) != 0)
-                fail_msg("GPU drafter, window %d: %d staged rows committed, no hidden states: logits differ", windows[w], k);
-            df_draft_state_free(a);
-            df_draft_state_free(b);
-        }
-    printf("GPU drafter: staged context rows committed == added; the final norm fused with lm_head == apart\n");
-    be->ops->dealloc(be, dfeat);
-    free(la);
-    free(lb);
-    free(hid);
-    df_tensors_free(ts);
-    df_drafter_free(d);
-}
-
 /* speculative == plain on the GPU with the drafter of `fixture`, its weights quantized at load
  * to `quant` bits (0: as stored). */
 static void spec_equals_plain(const char *fixture, int quant, const char *label) {
@@ -362,7 +312,6 @@ int main(void) {
         cmocka_unit_test(test_oracle_logits),
         cmocka_unit_test(test_rows_bitwise),
         cmocka_unit_test(test_speculative_equals_plain),
-        cmocka_unit_test(test_drafter_paths),
         cmocka_unit_test(test_sampled_paths),
         cmocka_unit_test(test_speculative_dflash2),
         cmocka_unit_test(test_speculative_quantized_drafter),

@@ -2220,6 +2220,8 @@ df_status df_backend_cuda_create(df_backend **out, int device, df_error *err) {
     dfk_set_occupancy(occ && atoi(occ) == 3 ? 3 : 2);
     const char *gf = getenv("DFLASH_CUDA_GDN_FUSED");
     g_gdn_fused = !(gf && strcmp(gf, "0") == 0);
+    const char *gsm = getenv("DFLASH_CUDA_GDN_SMALL");
+    dfk_set_gdn_small(!(gsm && strcmp(gsm, "0") == 0));
     const char *ach = getenv("DFLASH_CUDA_ATTN_CHUNK"); /* 32 (default) or 64 positions per attention block */
     if (ach) dfk_set_attn_chunk(atoi(ach));
     const char *adg = getenv("DFLASH_CUDA_ATTN_DIAG"); /* timing experiments only (dfk_set_attn_diag) */

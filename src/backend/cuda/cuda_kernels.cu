@@ -1755,15 +1755,15 @@ extern "C" int dfk_dyn_conv(const float *x, const float *dyn, int dyn_stride, co
 /* The causal depthwise conv + SiLU of channel ch for rows m0 .. m0 + n − 1 (n <= 16), the
  * window win [K − 1] (the channel's state, advanced here) and weights wk [K] in registers;
  * row r's output to out[r · ostride]. The arithmetic of every conv kernel here. */
-template <int KM>
+template <int KM, int NR = 16>
 static __device__ __forceinline__ void gdn_conv_rows(const float *qkv, int C, int K, int ch, int m0, int n,
                                                      float (&win)[KM], const float (&wk)[KM], float *out,
                                                      size_t ostride) {
-    float xr[16]; /* the inputs of the rows, loaded together */
+    float xr[NR]; /* the inputs of the rows, loaded together */
 #pragma unroll
-    for (int r = 0; r < 16; r++) xr[r] = r < n ? __ldcg(&qkv[(size_t)(m0 + r) * (size_t)C + (size_t)ch]) : 0.0f;
+    for (int r = 0; r < NR; r++) xr[r] = r < n ? __ldcg(&qkv[(size_t)(m0 + r) * (size_t)C + (size_t)ch]) : 0.0f;
 #pragma unroll
-    for (int r = 0; r < 16; r++) {
+    for (int r = 0; r < NR; r++) {
         if (r >= n) break;
         const float xin = xr[r];
         float s = 0.0f;
@@ -1869,7 +1869,7 @@ struct gdn_fconv {
 #define GDN_MAX_KH DFK_GDN_MAX_KH
 static __device__ unsigned g_gdn_tickets[GDN_MAX_KH];
 
-template <int SPT, bool FUSED, int KMC = GDN_MAX_K>
+template <int SPT, bool FUSED, int KMC = GDN_MAX_K, int RB = GDN_RB>
 static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, const float *z, const float *a,
                                                      const float *b, const float *A_log, const float *dt_bias,
                                                      const float *norm_w, int nk, int nv, int dv, float eps, int M,
@@ -1915,8 +1915,8 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
     __shared__ float nws[256];
     if (out && tid < dv) nws[tid] = __ldg(&norm_w[tid]);
     if (pdl_site) k_pdl_begin_(pdl_site);
-    for (int m0 = 0; m0 < M; m0 += GDN_RB) {
-        const int nb = M - m0 < GDN_RB ? M - m0 : GDN_RB;
+    for (int m0 = 0; m0 < M; m0 += RB) {
+        const int nb = M - m0 < RB ? M - m0 : RB;
         /* this warp's first row's gate inputs, loaded now: their latency overlaps the conv's */
         const float bin0 = lane == 0 && warp < nb ? __ldcg(&b[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
         const float ain0 = lane == 0 && warp < nb ? __ldcg(&a[(size_t)(m0 + warp) * (size_t)nv + (size_t)j]) : 0.0f;
@@ -1932,7 +1932,7 @@ static __device__ __forceinline__ void gdn_rec_block(const float *conv_out, cons
             }
         }
         if constexpr (FUSED) {
-            if (tid < nch) gdn_conv_rows(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
+            if (tid < nch) gdn_conv_rows<KMC, RB>(fc.qkv, C, fc.K, cch, m0, nb, cwin, cwk, cbuf + tid, (size_t)nch);
             __syncthreads();
             DFK_TR_PHASE(0, 1);
             /* the windows are read (their values used by the conv, before the barrier): this
@@ -2072,7 +2072,7 @@ __global__ void __launch_bounds__(512) k_gdn_rec(const float *conv_out, const fl
 /* The conv and the recurrence in one kernel: block j convolves its head's q, k and v channels
  * into shared memory (same bits as k_gdn_conv), then runs k_gdn_rec's recurrence on them. pre:
  * the states (S_in, conv_in) are loaded before waiting for the previous kernel. */
-template <int SPT, int KMC>
+template <int SPT, int KMC, int RB>
 __global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in,
                                                    float *conv_state, const float *z, const float *a, const float *b,
                                                    const float *A_log, const float *dt_bias, const float *norm_w,
@@ -2081,8 +2081,8 @@ __global__ void __launch_bounds__(512) k_gdn_fused(const float *qkv, const float
     const unsigned site = DFK_TR_SITE(0);
     if (!pre) k_pdl_begin_(site);
     const gdn_fconv fc = {qkv, conv_w, conv_in, conv_state, K};
-    gdn_rec_block<SPT, true, KMC>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc,
-                                  pre ? site : 0u);
+    gdn_rec_block<SPT, true, KMC, RB>(NULL, z, a, b, A_log, dt_bias, norm_w, nk, nv, dv, eps, M, S_in, S, out, fc,
+                                      pre ? site : 0u);
 }
 
 /* Layer blockIdx.y of a job table: its recurrence, states only, in place. Two blocks per SM
@@ -2125,7 +2125,13 @@ extern "C" int dfk_gdn_recurrence(const float *conv_out, const float *z, const f
     return st;
 }
 
-/* k_gdn_fused for key head dim dk (32, 64, 128) with conv windows of KMC registers. */
+static int g_gdn_small = 1;
+extern "C" void dfk_set_gdn_small(int on) { g_gdn_small = on ? 1 : 0; }
+
+/* k_gdn_fused for key head dim dk (32, 64, 128) with conv windows of KMC registers; for up to 4
+ * rows (decode steps, short verify passes) its instance with batches of 4 rows (dfk_set_gdn_small),
+ * whose shorter code runs faster (the kernel's code is run about once per launch; measured on the
+ * H200: docs/PERFORMANCE.md). The rows are one batch either way: the same bits. */
 template <int KMC>
 static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, const float *conv_w, int K,
                             const float *conv_in, float *conv_state, const float *z, const float *a, const float *b,
@@ -2133,10 +2139,13 @@ static int gdn_fused_launch(int dk, size_t smem, int threads, const float *qkv, 
                             float eps, int M, const float *S_in, float *S, float *out, int pre) {
     void (*kern)(const float *, const float *, int, const float *, float *, const float *, const float *,
                  const float *, const float *, const float *, const float *, int, int, int, float, int, const float *,
-                 float *, float *, int) = dk == 32 ? k_gdn_fused<8, KMC> : (dk == 64 ? k_gdn_fused<16, KMC> : k_gdn_fused<32, KMC>);
+                 float *, float *, int) =
+        g_gdn_small && M <= 4
+            ? (dk == 32 ? k_gdn_fused<8, KMC, 4> : (dk == 64 ? k_gdn_fused<16, KMC, 4> : k_gdn_fused<32, KMC, 4>))
+            : (dk == 32 ? k_gdn_fused<8, KMC, GDN_RB> : (dk == 64 ? k_gdn_fused<16, KMC, GDN_RB> : k_gdn_fused<32, KMC, GDN_RB>));
     if (dk != 32 && dk != 64 && dk != 128) return -1;
-    static bool attr[3];
-    const int ai = dk == 32 ? 0 : (dk == 64 ? 1 : 2);
+    static bool attr[6];
+    const int ai = (dk == 32 ? 0 : (dk == 64 ? 1 : 2)) + (g_gdn_small && M <= 4 ? 3 : 0);
     if (!attr[ai]) {
         if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024) != cudaSuccess)
             return (int)cudaGetLastError();

@@ -331,6 +331,9 @@ int dfk_gdn_recurrence(const float *conv_out, const float *z, const float *a, co
  * its value heads' blocks to have used them (so in place, conv_in == conv_state, no block
  * reads a window a sibling already advanced, in whatever order the blocks run). */
 #define DFK_GDN_MAX_KH 1024
+/* dfk_gdn_fused's instance with batches of 4 rows for up to 4 rows: 1 (default) on, 0 off
+ * (DFLASH_CUDA_GDN_SMALL=0); the same bits either way. */
+void dfk_set_gdn_small(int on);
 int dfk_gdn_fused(const float *qkv, const float *conv_w, int K, const float *conv_in, float *conv_state,
                   const float *z, const float *a, const float *b, const float *A_log, const float *dt_bias,
                   const float *norm_w, int nk, int nv, int dk, int dv, float eps, int M, const float *S_in, float *S,
