@@ -1957,6 +1957,22 @@ static int run_top_k(cuda_backend *cb, const void *args) {
 
 /* backend.h `top_k`: the kernels' 512-byte result read back; rows wider than the kernels take
  * go to the host whole. */
+/* The arguments of the top-k kernels for row x: their list in the backend's buffer (64 ids,
+ * then 64 values; allocated at the first use). 0 (the backend failed) when out of memory. */
+static int top_k_args(cuda_backend *cb, const float *x, int width, int k, a_top_k *a) {
+    if (!cb->tk && !(cb->tk = dmalloc(cb, 128 * sizeof(int32_t)))) {
+        fail(cb, "CUDA backend: out of device memory for top_k");
+        return 0;
+    }
+    memset(a, 0, sizeof *a);
+    a->x = x;
+    a->width = width;
+    a->k = k;
+    a->ids = (int32_t *)cb->tk;
+    a->vals = (float *)cb->tk + 64;
+    return 1;
+}
+
 static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals) {
     cuda_backend *cb = cub(be);
     if (width > dfk_top_k_max_width()) {
@@ -1970,17 +1986,8 @@ static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *
         free(row);
         return;
     }
-    if (!cb->tk && !(cb->tk = dmalloc(cb, 128 * sizeof(int32_t)))) {
-        fail(cb, "CUDA backend: out of device memory for top_k");
-        return;
-    }
     a_top_k a;
-    memset(&a, 0, sizeof a);
-    a.x = x;
-    a.width = width;
-    a.k = k;
-    a.ids = (int32_t *)cb->tk;
-    a.vals = (float *)cb->tk + 64;
+    if (!top_k_args(cb, x, width, k, &a)) return;
     record(cb, run_top_k, "top_k", &a, sizeof a);
     step_run(cb);
     if (check(cb, (int)cudaMemcpy(ids, a.ids, (size_t)k * sizeof(int32_t), cudaMemcpyDeviceToHost), "top_k"))
@@ -1988,17 +1995,14 @@ static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *
 }
 
 typedef struct a_draw {
-    const float *x;
-    int width, k;
-    int32_t *ids;
-    float *vals;
+    a_top_k t;
     dfk_draw d;
 } a_draw;
 
 static int run_draw(cuda_backend *cb, const void *args) {
     (void)cb;
     const a_draw *a = args;
-    return dfk_top_k_draw(a->x, a->width, a->k, a->ids, a->vals, &a->d);
+    return dfk_top_k_draw(a->t.x, a->t.width, a->t.k, a->t.ids, a->t.vals, &a->d);
 }
 
 /* backend.h `sample_top_dev`: the top-k kernels with the draw in their merge; the random bits in
@@ -2019,20 +2023,12 @@ static void cu_sample_top_dev(df_backend *be, const float *x, int width, const d
         cu_to_device(be, out, &id, sizeof id);
         return;
     }
-    if (!cb->tk && !(cb->tk = dmalloc(cb, 128 * sizeof(int32_t)))) {
-        fail(cb, "CUDA backend: out of device memory for top_k");
-        return;
-    }
+    a_draw a;
+    memset(&a, 0, sizeof a);
+    if (!top_k_args(cb, x, width, d->k, &a.t)) return;
     const size_t off = params(cb, 2);
     hparams(cb)[off] = (int32_t)(uint32_t)u;
     hparams(cb)[off + 1] = (int32_t)(uint32_t)(u >> 32);
-    a_draw a;
-    memset(&a, 0, sizeof a);
-    a.x = x;
-    a.width = width;
-    a.k = d->k;
-    a.ids = (int32_t *)cb->tk;
-    a.vals = (float *)cb->tk + 64;
     a.d.temperature = d->temperature;
     a.d.top_p = d->top_p;
     a.d.min_p = d->min_p;
