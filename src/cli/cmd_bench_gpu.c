@@ -340,7 +340,8 @@ static const char BENCH_HELP[] =
     "  --no-verify-curve            skip t(B)/t(1) for B = 1..16\n"
     "  --draft-quant-pass BITS,...  also time the drafter pass with 8/4-bit weights (default: none)\n"
     "  --draft-quant BITS           run the drafter with its weights quantized to 8 or 4 bits at load, as\n"
-    "                               serve --draft-quant (proposals change, never the output; default: as stored)\n"
+    "                               serve --draft-quant (proposals change, never the output; 0, the default:\n"
+    "                               as stored)\n"
     "  --identity N,T               check speculative == plain greedy on N prompts x T tokens, with the\n"
     "                               real drafter (default block) and at synthetic acceptance 4.5 (block 8)\n"
     "  --help                       show this help and exit\n";
@@ -442,7 +443,8 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
                                              : NULL;
         if (num && v) {
             if (strict_int(v, num) != 0) {
-                fprintf(stderr, "dflash bench: %s takes an integer (got '%s')\n(see 'dflash bench --help')\n", a, v);
+                fprintf(stderr, "dflash bench: %s takes an integer of at most %d (got '%s')\n(see 'dflash bench --help')\n",
+                        a, INT_MAX, v);
                 return 2;
             }
             i++;
@@ -496,7 +498,7 @@ static int bench_main(int argc, char **argv, const unsigned char *is_value) {
     for (int i = 0; i < o.n_quant; i++)
         if (o.quant[i] != 4 && o.quant[i] != 8) return usage_error("%s", "--draft-quant-pass values must be 4 or 8");
     if (o.draft_quant != 0 && o.draft_quant != 4 && o.draft_quant != 8)
-        return usage_error("%s", "--draft-quant takes 8 or 4");
+        return usage_error("%s", "--draft-quant takes 8, 4 or 0 (as stored)");
     char dpath[4096];
     if (!o.drafter) {
         struct stat sb;

@@ -454,6 +454,11 @@ def test_bench_checks_its_options():
         p = run_cli(*base, *args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
         assert "dflash bench:" in p.stderr, (args, p.stderr)
+    # the messages give what is taken
+    p = run_cli(*base, "--drafter", DRAFTER, "--draft-quant", "2")
+    assert p.returncode == 2 and "--draft-quant takes 8, 4 or 0 (as stored)" in p.stderr, p.stderr
+    p = run_cli(*base, "--window", "99999999999")
+    assert p.returncode == 2 and "--window takes an integer of at most 2147483647" in p.stderr, p.stderr
     # a drafter folder without a config: refused before the plain runs
     p = run_cli(*base, "--drafter", "/nonexistent-drafter", "--synthetic-acceptance", "2.7")
     assert p.returncode == 1 and "/nonexistent-drafter/config.json" in p.stderr, p.stderr
