@@ -1955,8 +1955,6 @@ static int run_top_k(cuda_backend *cb, const void *args) {
     return dfk_top_k(a->x, a->width, a->k, a->ids, a->vals);
 }
 
-/* backend.h `top_k`: the kernels' 512-byte result read back; rows wider than the kernels take
- * go to the host whole. */
 /* The arguments of the top-k kernels for row x: their list in the backend's buffer (64 ids,
  * then 64 values; allocated at the first use). 0 (the backend failed) when out of memory. */
 static int top_k_args(cuda_backend *cb, const float *x, int width, int k, a_top_k *a) {
@@ -1973,6 +1971,8 @@ static int top_k_args(cuda_backend *cb, const float *x, int width, int k, a_top_
     return 1;
 }
 
+/* backend.h `top_k`: the kernels' 512-byte result read back; rows wider than the kernels take
+ * go to the host whole. */
 static void cu_top_k(df_backend *be, const float *x, int width, int k, int32_t *ids, float *vals) {
     cuda_backend *cb = cub(be);
     if (width > dfk_top_k_max_width()) {

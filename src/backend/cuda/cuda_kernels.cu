@@ -1848,7 +1848,8 @@ static size_t gdn_rec_smem(int dk, int dv) {
 }
 
 /* One block per value head j: 4 x dv threads; thread (grp, v) keeps S[grp*SPT .. +SPT)[v] in
- * registers (SPT = dk/4). Rows in batches of GDN_RB: first, a warp per row, the row's
+ * registers (SPT = dk/4). Rows in batches of RB (GDN_RB; 4 in k_gdn_fused's short instance,
+ * whose unrolled conv has less code): first, a warp per row, the row's
  * L2-normalized q (times 1/sqrt(dk)) and k (lanes over the elements in order, then an xor
  * tree), β = σ(b) and the decay exp(A·softplus(a + dt_bias)), which do not depend on the
  * state; then per row, in order: decay, m = Sᵀk (4 partial sums added in order), d = (v − m)·β,
