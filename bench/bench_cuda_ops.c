@@ -82,8 +82,12 @@ static void make(wset *q, int rows, int cols, int quant) {
     q->L.w = q->w;
 }
 
+/* Weight bytes a call reads: 2-bit codes and 16-bit scales and biases per 128 columns (the
+ * biases not, for ternary weights: the backend stores their scales alone). */
 static double bytes_of(const df_linear *L) {
-    if (L->bits) return (double)L->rows * L->cols * 2.0 / 8.0 + (double)L->rows * (L->cols / 128) * 4.0;
+    if (L->bits)
+        return (double)L->rows * L->cols * 2.0 / 8.0 +
+               (double)L->rows * (L->cols / 128) * (df_linear_biases_negate_scales(L) ? 2.0 : 4.0);
     return (double)L->rows * L->cols * 2.0;
 }
 

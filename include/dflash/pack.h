@@ -54,6 +54,12 @@ typedef struct df_linear {
     const float *signs;    /* [cols] when hadamard_block > 0 */
 } df_linear;
 
+/* 1 when L is quantized with 16-bit scales and every bias is its scale with the sign bit
+ * flipped, bit for bit (w = s·q − s: the ternary codes of MODEL.md §2, w ∈ {−s, 0, s}), so that
+ * the biases need not be stored or read; 0 otherwise. Reads every scale and bias (host memory,
+ * rows·cols/group_size each). */
+int df_linear_biases_negate_scales(const df_linear *L);
+
 /* A small vector (norm weights, A_log, dt_bias, conv weights) converted to float32 at load
  * (exact for f16/bf16). Owned by the pack. */
 typedef struct df_vecf {

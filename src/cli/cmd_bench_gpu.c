@@ -17,8 +17,9 @@
  * measurement of a drafter's quality.
  *
  * The floor of a decode step: bytes that must be read per token (every linear but the
- * embedding, GDN states read + written, the KV cache read at the context length, float32 as
- * stored) over the measured device copy bandwidth (read + write bytes per second). */
+ * embedding, without the biases of ternary weights, which are their scales negated; GDN states
+ * read + written, the KV cache read at the context length, float32 as stored) over the measured
+ * device copy bandwidth (read + write bytes per second). */
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
@@ -105,11 +106,12 @@ static void sync_dev(df_engine *e) {
 
 static int is_cuda(df_engine *e) { return strcmp(e->be->ops->name, "cuda") == 0; }
 
-/* Bytes a decode step at context ctx must read (float32 KV and states as stored). */
+/* Bytes a decode step at context ctx must read (float32 KV and states as stored); a ternary
+ * weight's biases (its scales negated) are not counted: they need not be read. */
 static double linear_bytes(const df_linear *L) {
     if (L->bits > 0)
         return (double)L->rows * (double)L->cols * L->bits / 8.0 +
-               2.0 * (double)L->rows * (double)(L->cols / L->group_size) * 2.0;
+               (df_linear_biases_negate_scales(L) ? 1.0 : 2.0) * (double)L->rows * (double)(L->cols / L->group_size) * 2.0;
     return (double)L->rows * (double)L->cols * (L->wdtype == DF_DTYPE_F32 ? 4.0 : 2.0);
 }
 

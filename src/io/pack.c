@@ -514,6 +514,17 @@ done:
     return st;
 }
 
+int df_linear_biases_negate_scales(const df_linear *L) {
+    if (L->bits <= 0 || !L->scales || !L->biases || L->group_size <= 0 ||
+        (L->sdtype != DF_DTYPE_F16 && L->sdtype != DF_DTYPE_BF16))
+        return 0;
+    const uint16_t *s = L->scales, *b = L->biases;
+    const size_t n = (size_t)L->rows * (size_t)(L->cols / L->group_size);
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != (uint16_t)(s[i] ^ 0x8000u)) return 0;
+    return 1;
+}
+
 df_status df_pack_load(df_pack **out, const char *dir, df_error *err) {
     *out = NULL;
     df_error local = {0};

@@ -22,7 +22,8 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 
-static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_cp, *g_gpu_b8, *g_cpu;
+static df_backend *g_gpu, *g_gpu_tr, *g_gpu_simple, *g_gpu_reg, *g_gpu_persist, *g_gpu_cp, *g_gpu_b8, *g_gpu_affine,
+    *g_cpu;
 static char g_skip[700];
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
@@ -80,6 +81,10 @@ static int setup(void **state) {
         setenv("DFLASH_CUDA_QBULK", "0", 1);
         if (df_backend_cuda_create(&g_gpu_cp, 0, &err) != DF_OK) return -1;
         unsetenv("DFLASH_CUDA_QBULK");
+        /* ternary weights stored with their biases (the others store the scales only) */
+        setenv("DFLASH_CUDA_QSCALES", "0", 1);
+        if (df_backend_cuda_create(&g_gpu_affine, 0, &err) != DF_OK) return -1;
+        unsetenv("DFLASH_CUDA_QSCALES");
     }
 #else
     snprintf(g_skip, sizeof g_skip, "this build has no CUDA backend");
@@ -92,8 +97,8 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_cp, g_gpu_b8, g_cpu};
-    for (int i = 0; i < 8; i++)
+    df_backend *bs[] = {g_gpu, g_gpu_tr, g_gpu_simple, g_gpu_reg, g_gpu_persist, g_gpu_cp, g_gpu_b8, g_gpu_affine, g_cpu};
+    for (int i = 0; i < 9; i++)
         if (bs[i]) bs[i]->ops->destroy(bs[i]);
     return 0;
 }
@@ -142,6 +147,9 @@ typedef struct qlin {
     float *signs;
 } qlin;
 
+/* ternary: 0 = affine codes, 1 = ternary codes with fp16 scales and biases = −scales, 2 = the
+ * same with bf16 scales, 3 = ternary but for one bias (+0 where the scale is +0: the same value
+ * as −scale, not the same bits) */
 static void make_linear(qlin *q, int rows, int cols, int bits, int gs, int had, df_dtype dense, int ternary) {
     memset(q, 0, sizeof *q);
     q->L.name = "test";
@@ -164,13 +172,19 @@ static void make_linear(qlin *q, int rows, int cols, int bits, int gs, int had, 
         q->b = malloc(ng * 2);
         for (size_t i = 0; i < ng; i++) {
             float s = 0.05f * frand();
-            q->s[i] = to_f16(s);
-            q->b[i] = ternary ? to_f16(-s) : to_f16(0.05f * frand());
+            if (ternary == 2) {
+                q->s[i] = to_bf16(s);
+                q->b[i] = to_bf16(-s);
+            } else {
+                q->s[i] = to_f16(s);
+                q->b[i] = ternary ? to_f16(-s) : to_f16(0.05f * frand());
+            }
         }
+        if (ternary == 3) q->s[ng / 2] = q->b[ng / 2] = 0; /* +0 and +0 */
         q->L.group_size = gs;
         q->L.wdtype = DF_DTYPE_U32;
         q->L.w = q->w;
-        q->L.sdtype = DF_DTYPE_F16;
+        q->L.sdtype = ternary == 2 ? DF_DTYPE_BF16 : DF_DTYPE_F16;
         q->L.scales = q->s;
         q->L.biases = q->b;
     } else {
@@ -231,7 +245,14 @@ static int is_qpath(const df_linear *L) {
     return (L->bits == 2 || L->bits == 4 || L->bits == 8) && (L->group_size == 64 || L->group_size == 128);
 }
 
-static float f16_to_float(uint16_t h) {
+/* A 16-bit scale or bias (F16 or BF16) as a float. */
+static float h16_to_float(uint16_t h, df_dtype dt) {
+    if (dt == DF_DTYPE_BF16) {
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
     _Float16 v;
     memcpy(&v, &h, 2);
     return (float)v;
@@ -267,7 +288,8 @@ static void q_model(const df_linear *L, const float *x, int M, double *yref, dou
             double y = 0, a = 0, qe = 0;
             for (int g = 0; g < ng; g++) {
                 double D = 0, S = 0;
-                const double s = f16_to_float(sc[(size_t)r * ng + g]), b = f16_to_float(bi[(size_t)r * ng + g]);
+                const double s = h16_to_float(sc[(size_t)r * ng + g], L->sdtype),
+                             b = h16_to_float(bi[(size_t)r * ng + g], L->sdtype);
                 for (int i = g * gs; i < (g + 1) * gs; i++) {
                     const size_t bit = (size_t)i * (size_t)bits;
                     const uint32_t q = (w[(size_t)r * wpr + bit / 32] >> (bit % 32)) & ((1u << bits) - 1u);
@@ -349,6 +371,9 @@ static void test_linear(void **state) {
         {36, 1024, 8, 128, 0, 0, 0, "8-bit g128"},
         {44, 512, 4, 128, 512, 0, 0, "4-bit g128 H512"},
         {2000, 640, 2, 128, 128, 0, 1, "2-bit 2000 rows (many units)"},
+        {56, 1024, 2, 128, 1024, 0, 2, "2-bit ternary bf16 scales"},
+        {24, 512, 2, 64, 0, 0, 1, "2-bit g64 ternary"},
+        {40, 512, 2, 128, 512, 0, 3, "2-bit ternary but one bias"},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         qlin q;
@@ -358,6 +383,12 @@ static void test_linear(void **state) {
         float *x = malloc((size_t)R * (size_t)cols * 4);
         for (int i = 0; i < R * cols; i++) x[i] = frand();
         float *y = linear_rows_exact(g_gpu, &q.L, x, cases[c].name);
+        /* ternary weights are stored as their scales alone (test_scales_only): the same bits as
+         * with their biases */
+        float *yaff = linear_rows_exact(g_gpu_affine, &q.L, x, cases[c].name);
+        if (memcmp(y, yaff, (size_t)R * (size_t)rows * 4) != 0)
+            fail_msg("%s: the weight stored with its biases gives other bits", cases[c].name);
+        free(yaff);
         /* more tiles per warp: same bits */
         float *ytr = linear_rows_exact(g_gpu_tr, &q.L, x, cases[c].name);
         if (memcmp(y, ytr, (size_t)R * (size_t)rows * 4) != 0)
@@ -394,6 +425,47 @@ static void test_linear(void **state) {
         free(ys);
         free(ycpu);
         free(x);
+        free_linear(&q);
+    }
+}
+
+/* A 2-bit weight whose biases are its scales negated, bit for bit, is stored as its scales
+ * alone, 32 bytes fewer per 16 rows and group (and the one whose biases differ in a single
+ * bit is not), in backends of their own (weight_bytes of nothing else). test_linear checks the
+ * bits of every kernel against the weight stored with its biases. */
+static void test_scales_only(void **state) {
+    (void)state;
+    NEED_GPU();
+    struct {
+        int ternary, rows, cols, gs;
+    } cases[] = {{1, 70, 1024, 128}, {2, 33, 512, 64}, {3, 40, 512, 128}, {0, 40, 512, 128}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        qlin q;
+        make_linear(&q, cases[c].rows, cases[c].cols, 2, cases[c].gs, 0, 0, cases[c].ternary);
+        size_t bytes[2];
+        for (int k = 0; k < 2; k++) {
+            if (k == 1) setenv("DFLASH_CUDA_QSCALES", "0", 1);
+            df_backend *be = NULL;
+            df_error err = {0};
+            assert_int_equal(df_backend_cuda_create(&be, 0, &err), DF_OK);
+            unsetenv("DFLASH_CUDA_QSCALES");
+            float *x = calloc((size_t)cases[c].cols, 4), *dx = dput(be, x, (size_t)cases[c].cols * 4);
+            float *dy = be->ops->alloc(be, (size_t)cases[c].rows * 4);
+            be->ops->linear(be, &q.L, dx, 1, dy);
+            gpu_ok(be, "scales only");
+            df_cuda_stats st;
+            df_backend_cuda_stats(be, &st);
+            bytes[k] = st.weight_bytes;
+            dfree_(be, dx);
+            dfree_(be, dy);
+            free(x);
+            be->ops->destroy(be);
+        }
+        const size_t want = cases[c].ternary == 1 || cases[c].ternary == 2
+                                ? (size_t)((cases[c].rows + 15) / 16) * (size_t)(cases[c].cols / cases[c].gs) * 32
+                                : 0;
+        if (bytes[1] - bytes[0] != want)
+            fail_msg("scales only, case %zu: %zu bytes saved, expected %zu", c, bytes[1] - bytes[0], want);
         free_linear(&q);
     }
 }
@@ -1628,7 +1700,7 @@ static void test_fused(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_linear),    cmocka_unit_test(test_weight_reupload),
+        cmocka_unit_test(test_linear),    cmocka_unit_test(test_scales_only),  cmocka_unit_test(test_weight_reupload),
         cmocka_unit_test(test_weight_const_range), cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_embed), cmocka_unit_test(test_ids_on_device), cmocka_unit_test(test_top_k_gpu), cmocka_unit_test(test_read_ahead_chain), cmocka_unit_test(test_staged_copies_replayed),     cmocka_unit_test(test_attention),       cmocka_unit_test(test_gdn),
         cmocka_unit_test(test_dyn_conv),  cmocka_unit_test(test_fused),           cmocka_unit_test(test_copy_overlap), cmocka_unit_test(test_copy_rows_gpu), cmocka_unit_test(test_prep_shared), cmocka_unit_test(test_mma_multi),

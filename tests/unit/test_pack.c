@@ -183,6 +183,30 @@ static void test_config_parse_text(void **state) {
     df_text_config_free(&c);
 }
 
+/* Ternary weights (biases = −scales bit for bit) are recognized; any other bias is not. */
+static void test_biases_negate_scales(void **state) {
+    (void)state;
+    uint16_t sc[4] = {0x2a00, 0x1c33, 0x0000, 0x3c00}, bi[4];
+    for (int i = 0; i < 4; i++) bi[i] = (uint16_t)(sc[i] ^ 0x8000u);
+    df_linear L = {.rows = 2, .cols = 128, .bits = 2, .group_size = 64, .sdtype = DF_DTYPE_F16, .scales = sc,
+                   .biases = bi};
+    assert_int_equal(df_linear_biases_negate_scales(&L), 1);
+    L.sdtype = DF_DTYPE_BF16;
+    assert_int_equal(df_linear_biases_negate_scales(&L), 1);
+    bi[2] = 0x0000; /* +0 where the scale is +0: the same value, not the same bits */
+    assert_int_equal(df_linear_biases_negate_scales(&L), 0);
+    bi[2] = 0x8000;
+    bi[3] = 0xbc01;
+    assert_int_equal(df_linear_biases_negate_scales(&L), 0);
+    bi[3] = 0xbc00;
+    assert_int_equal(df_linear_biases_negate_scales(&L), 1);
+    L.biases = NULL;
+    assert_int_equal(df_linear_biases_negate_scales(&L), 0);
+    L.biases = bi;
+    L.bits = 0; /* dense */
+    assert_int_equal(df_linear_biases_negate_scales(&L), 0);
+}
+
 static void test_generation_config(void **state) {
     (void)state;
     df_generation_defaults g;
@@ -205,6 +229,7 @@ static void test_generation_config(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_config),
+        cmocka_unit_test(test_biases_negate_scales),
         cmocka_unit_test(test_tiny_tensors),
         cmocka_unit_test(test_config_parse_text),
         cmocka_unit_test(test_generation_config),

@@ -138,16 +138,22 @@ int dfk_qprep_takes_xb(int cols, int seg);
  * 8 bits (its codes are read as 16 times their values in half of the k-blocks), else 0. */
 int dfk_q_xe_shift(int bits);
 
-/* Code words of a repacked weight [rows, cols] (the sb table has ceil(rows/16)·(cols/gs)·16
- * words). */
+/* Code words of a repacked weight [rows, cols]. */
 size_t dfk_q_code_words(int rows, int cols, int bits, int gs);
+/* Words of its sb table: ceil(rows/16)·(cols/gs)·16, or ·8 with scales only (dfk_repack_q). */
+size_t dfk_q_sb_words(int rows, int cols, int gs, int scales_only);
 
 /* Repacks MLX codes (uint32 [rows, cols·bits/32]) and 16-bit scales/biases [rows, cols/gs] into
  * the m16n8k32 fragment layout of dfk_linear_q (rows padded to 16 with zeros), a tile's groups
  * stored K-slice by K-slice for KW slices (the KW that dfk_linear_q is then given for this
- * weight). bits 2, 4, 8; gs 64, 128; KW 1, 2, 4, 8 and <= cols/gs. */
+ * weight). bits 2, 4, 8; gs 64, 128; KW 1, 2, 4, 8 and <= cols/gs. scales_only = 1 (2-bit
+ * codes only): the weight's every bias is its scale negated (bit for bit: the ternary packs of
+ * MODEL.md §2), so only the scales are stored (biases may be NULL) and dfk_linear_q is given
+ * a format with 2 added (sbf); the kernels take b = −s, which is the stored bias's value, so the same bits.
+ * sb: dfk_q_sb_words words. Returns 0 or a CUDA error (cudaErrorInvalidValue for a shape or
+ * format it does not take). */
 int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols, int bits,
-                 int gs, int KW, uint32_t *codes, uint32_t *sb);
+                 int gs, int KW, int scales_only, uint32_t *codes, uint32_t *sb);
 
 /* One linear of dfk_linear_q: y[M, rows] (+)= W · x' from the prepared input (xq, xe, xsx of
  * dfk_qprep with this linear's rotation and gs). KW: K-slices (1, 2, 4, 8), from the weight's
@@ -186,11 +192,12 @@ typedef struct dfk_dlin {
     float *y;
 } dfk_dlin;
 
-/* Up to DFK_QMAX linears of the same format (bits, gs, scale dtype) and the same M in one
+/* Up to DFK_QMAX linears of the same format (bits, gs, scale format sbf: 1 for bf16
+ * scales (else fp16), plus 2 for scales only (dfk_repack_q's scales_only; 2-bit codes only)) and the same M in one
  * launch, with nd (0..DFK_QMAX) dense linears of M rows riding along (dfk_linear_dense's bits:
  * the bulk-copy ring computes their rows after its units, saving their launch; other kernels
  * launch them first). */
-int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins, int nd,
+int dfk_linear_q(int bits, int gs, int sbf, int M, dfk_qsched sched, int n, const dfk_qlin *lins, int nd,
                  const dfk_dlin *dense);
 int dfk_linear_q_max_tr(int M);
 

@@ -74,7 +74,11 @@ static int launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
  * register is then (w >> bits·sub) & mask, a class-1 one (w >> bits·sub) & (mask << 4): its
  * codes times 16 (q_mma_group).
  * Scales and biases: one word (scale | bias << 16) per (tile, group, row), rows g and g + 8
- * adjacent: index ((tile·ng + rec)·8 + g)·2 + half.
+ * adjacent: index ((tile·ng + rec)·8 + g)·2 + half (64 bytes a record). Scales only (a weight
+ * whose every bias is its scale negated, bit for bit: the ternary codes of MODEL.md §2, w ∈
+ * {−s, 0, s}): one word (scale of row g | scale of row g + 8 << 16) per (tile, group, g):
+ * index (tile·ng + rec)·8 + g (32 bytes a record); the kernels take b = −s, the same float as
+ * the stored bias, so the same bits (q_sb_pair).
  *
  * Record order (rec above): a tile's (tile, group) records are stored K-slice by K-slice
  * (slice kw holds the groups kw, kw + KW, kw + 2·KW, ...; KW = 2^kwl, from the weight's shape),
@@ -106,7 +110,7 @@ static __host__ __device__ __forceinline__ int q_kwl(int KW) { return KW >= 8 ? 
 
 __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__restrict__ scales,
                            const uint16_t *__restrict__ biases, int rows, int cols, int bits, int gs, int tiles,
-                           int kwl, uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
+                           int kwl, int so, uint32_t *__restrict__ codes, uint32_t *__restrict__ sb) {
     const int ng = cols / gs, kbg = gs / 32, wpl = kbg * bits / 2, vec = wpl < 4 ? wpl : 4, nvec = wpl / vec;
     const int rpw = 8 / bits;
     const size_t nwords = (size_t)tiles * (size_t)ng * 32 * (size_t)wpl;
@@ -146,8 +150,18 @@ __global__ void k_repack_q(const uint32_t *__restrict__ raw, const uint16_t *__r
         }
         codes[idx] = out;
     }
-    const size_t nsb = (size_t)tiles * (size_t)ng * 16;
-    if (idx < nsb) {
+    const size_t nsb = (size_t)tiles * (size_t)ng * (so ? 8 : 16);
+    if (so && idx < nsb) { /* scales only: rows g and g + 8 in one word */
+        const int g = (int)(idx % 8);
+        const size_t tg = idx / 8;
+        const int group = q_group_of_rec((int)(tg % (size_t)ng), ng, kwl), tile = (int)(tg / (size_t)ng);
+        uint32_t o = 0;
+        for (int half = 0; half < 2; half++) {
+            const int row = tile * 16 + g + 8 * half;
+            if (row < rows) o |= (uint32_t)scales[(size_t)row * (size_t)ng + (size_t)group] << (16 * half);
+        }
+        sb[idx] = o;
+    } else if (idx < nsb) {
         const int half = (int)(idx % 2), g = (int)((idx / 2) % 8);
         const size_t tg = idx / 16;
         const int group = q_group_of_rec((int)(tg % (size_t)ng), ng, kwl), tile = (int)(tg / (size_t)ng);
@@ -167,16 +181,21 @@ extern "C" size_t dfk_q_code_words(int rows, int cols, int bits, int gs) {
     return (size_t)((rows + 15) / 16) * (size_t)(cols / gs) * 32 * (size_t)(gs / 32 * bits / 2);
 }
 
+extern "C" size_t dfk_q_sb_words(int rows, int cols, int gs, int scales_only) {
+    return (size_t)((rows + 15) / 16) * (size_t)(cols / gs) * (scales_only ? 8 : 16);
+}
+
 extern "C" int dfk_repack_q(const uint32_t *raw, const uint16_t *scales, const uint16_t *biases, int rows, int cols,
-                            int bits, int gs, int KW, uint32_t *codes, uint32_t *sb) {
+                            int bits, int gs, int KW, int scales_only, uint32_t *codes, uint32_t *sb) {
     if ((bits != 2 && bits != 4 && bits != 8) || (gs != 64 && gs != 128) || cols % gs != 0 ||
-        (KW != 1 && KW != 2 && KW != 4 && KW != 8) || KW > cols / gs)
+        (KW != 1 && KW != 2 && KW != 4 && KW != 8) || KW > cols / gs || (scales_only && bits != 2) ||
+        (!scales_only && !biases))
         return (int)cudaErrorInvalidValue;
-    const int tiles = (rows + 15) / 16, ng = cols / gs;
-    const size_t nwords = dfk_q_code_words(rows, cols, bits, gs), nsb = (size_t)tiles * (size_t)ng * 16;
+    const int tiles = (rows + 15) / 16;
+    const size_t nwords = dfk_q_code_words(rows, cols, bits, gs), nsb = dfk_q_sb_words(rows, cols, gs, scales_only);
     const size_t n = nwords > nsb ? nwords : nsb;
-    k_repack_q<<<(unsigned)((n + 255) / 256), 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, q_kwl(KW), codes,
-                                                      sb);
+    k_repack_q<<<(unsigned)((n + 255) / 256), 256>>>(raw, scales, biases, rows, cols, bits, gs, tiles, q_kwl(KW),
+                                                      scales_only ? 1 : 0, codes, sb);
     return (int)cudaGetLastError();
 }
 
@@ -541,7 +560,7 @@ struct dlaunch {
 struct qlaunch {
     dfk_qlin d[DFK_QMAX];
     int start[DFK_QMAX + 1];
-    int n, M, sb_bf16;
+    int n, M, sbf; /* the scale format (dfk_linear_q): 1 bf16 (else fp16), plus 2 scales only (q_sb_pair) */
     int prefetch; /* 1: L2 prefetch of each warp's next batch of codes */
     int ring;     /* the kernel: 0 = k_lin_q, 1 = k_lin_qr (persistent) */
     int ctas;     /* k_lin_qr: CTAs (0: as many as fit) */
@@ -714,7 +733,7 @@ static __host__ __device__ __forceinline__ size_t q_smem_bytes(int M, int cols, 
  * linear L, groups kw, kw + KW, ...): 128-byte lines, spread over the lanes. */
 template <int WPL, int TR>
 static __device__ __forceinline__ void q_prefetch_unit(const dfk_qlin &L, int tile0, int tiles, int ng, int kw, int KW,
-                                                       int lane) {
+                                                       int lane, int sbw) {
     constexpr int LINES = WPL; /* WPL words x 32 lanes x 4 bytes = WPL lines of 128 bytes per (tile, group) */
     const int ngw = (ng - kw + KW - 1) / KW;
     const int n = TR * ngw * (LINES + 1);
@@ -724,16 +743,23 @@ static __device__ __forceinline__ void q_prefetch_unit(const dfk_qlin &L, int ti
         if (tile0 + tr >= tiles) continue;
         const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)(q_rec_of_group(kw, ng, q_kwl(KW)) + gi);
         const void *ptr = ln < LINES ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
-                                     : (const void *)(L.sb + tg * 16);
+                                     : (const void *)(L.sb + tg * (size_t)sbw);
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
     }
 }
 
+/* The scale/bias words of lane row g of record tg (file comment): .x row g, .y row g + 8; scales
+ * only (so): .x both scales. */
+static __device__ __forceinline__ uint2 q_load_sb(const uint32_t *sb, size_t tg, int g, int so) {
+    if (so) return make_uint2(__ldg(sb + tg * 8 + (size_t)g), 0u);
+    return __ldg(reinterpret_cast<const uint2 *>(sb + (tg * 8 + (size_t)g) * 2));
+}
+
 /* The code words and scale/bias words of GP groups (gbase, gbase + KW, ...) for TR tiles,
- * all loads issued before any is used (zeros outside the weight). */
+ * all loads issued before any is used (zeros outside the weight); so: scales only. */
 template <int GP, int TR, int WPL, int VEC, int NVEC>
 static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0, const bool *tvalid, int ng,
-                                                    int gbase, int KW, int lane, int g, uint32_t (*wr)[TR][WPL],
+                                                    int gbase, int KW, int lane, int g, int so, uint32_t (*wr)[TR][WPL],
                                                     uint2 (*sbv)[TR]) {
 #pragma unroll
     for (int gi = 0; gi < GP; gi++) {
@@ -746,7 +772,7 @@ static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0
                 for (int v = 0; v < NVEC; v++)
                     q_load_words<VEC>(L.codes + ((tg * NVEC + (size_t)v) * 32 + (size_t)lane) * VEC,
                                       &wr[gi][tr][v * VEC]);
-                sbv[gi][tr] = __ldg(reinterpret_cast<const uint2 *>(L.sb + (tg * 8 + (size_t)g) * 2));
+                sbv[gi][tr] = q_load_sb(L.sb, tg, g, so);
             } else {
 #pragma unroll
                 for (int w = 0; w < WPL; w++) wr[gi][tr][w] = 0u;
@@ -760,7 +786,7 @@ static __device__ __forceinline__ void q_load_batch(const dfk_qlin &L, int tile0
  * (the warp's next batch: its loads then wait on L2, not DRAM). */
 template <int GP, int TR, int WPL>
 static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int tile0, const bool *tvalid, int ng,
-                                                        int gbase, int KW, int lane) {
+                                                        int gbase, int KW, int lane, int sbw) {
     constexpr int PER = WPL + 1, N = GP * TR * PER;
     for (int i = lane; i < N; i += 32) {
         const int gi = i / (TR * PER), r = i % (TR * PER), tr = r / PER, ln = r % PER;
@@ -773,7 +799,7 @@ static __device__ __forceinline__ void q_prefetch_batch(const dfk_qlin &L, int t
         if (!v) continue;
         const size_t tg = (size_t)(tile0 + tr) * (size_t)ng + (size_t)q_rec_of_group(grp, ng, q_kwl(KW));
         const void *ptr = ln < WPL ? (const void *)(L.codes + tg * (size_t)(WPL * 32) + (size_t)ln * 32)
-                                   : (const void *)(L.sb + tg * 16);
+                                   : (const void *)(L.sb + tg * (size_t)sbw);
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
     }
 }
@@ -796,6 +822,25 @@ static __device__ __forceinline__ uint32_t q_code_reg(const uint32_t *w, int kb,
     }
 }
 
+/* The scales and biases of rows g (s0, b0) and g + 8 (s1, b1) from a lane's sb words (sbf: the
+ * launch's scale format, qlaunch.sbf). Scales only: b = −s, exactly the float of the bias that
+ * the weight stores (its bits are the scale's with the sign flipped), so the same bits as the
+ * scale/bias layout. */
+static __device__ __forceinline__ void q_sb_pair(uint2 v, int sbf, float &s0, float &b0, float &s1, float &b1) {
+    const int bf = sbf & 1;
+    if (sbf & 2) {
+        s0 = q_h16(v.x, bf);
+        s1 = q_h16(v.x >> 16, bf);
+        b0 = -s0;
+        b1 = -s1;
+    } else {
+        s0 = q_h16(v.x, bf);
+        b0 = q_h16(v.x >> 16, bf);
+        s1 = q_h16(v.y, bf);
+        b1 = q_h16(v.y >> 16, bf);
+    }
+}
+
 /* One group's MMAs and epilogue for TR tiles and NT n-tiles (file comment): the codes w of
  * each tile (this lane's words), its scale/bias word pair sbv, the B fragments bq and the
  * rows' 2^E (xe) and S·2^E (xs); adds the group's terms to yv in the fixed order.
@@ -811,7 +856,7 @@ template <int BITS, int GS, int NT, int TR>
 static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<BITS, GS, NT, TR>::WPL],
                                                    const uint2 (&sbv)[TR],
                                                    const uint32_t (&bq)[NT][qcfg<BITS, GS, NT, TR>::KBG][2],
-                                                   const float (&xe)[NT], const float (&xs)[NT], int sb_bf16,
+                                                   const float (&xe)[NT], const float (&xs)[NT], int sbf,
                                                    float (&yv)[TR][NT][2]) {
     typedef qcfg<BITS, GS, NT, TR> C;
     constexpr int KBG = C::KBG, NCH = BITS == 8 ? 1 : 2;
@@ -838,8 +883,8 @@ static __device__ __forceinline__ void q_mma_group(const uint32_t (&w)[TR][qcfg<
      * decode) */
 #pragma unroll
     for (int tr = 0; tr < TR; tr++) {
-        const float s0 = q_h16(sbv[tr].x, sb_bf16), b0 = q_h16(sbv[tr].x >> 16, sb_bf16);
-        const float s1 = q_h16(sbv[tr].y, sb_bf16), b1 = q_h16(sbv[tr].y >> 16, sb_bf16);
+        float s0, b0, s1, b1;
+        q_sb_pair(sbv[tr], sbf, s0, b0, s1, b1);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             int c[4];
@@ -931,7 +976,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
     const int c = (int)blockIdx.x;
     const int u_begin = c * P.uq + (c < P.ur ? c : P.ur), u_end = u_begin + P.uq + (c < P.ur ? 1 : 0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int M = P.M, sb_bf16 = P.sb_bf16;
+    const int M = P.M, sbf = P.sbf, so = (sbf >> 1) & 1, sbw = so ? 8 : 16;
     /* the first unit's first batch of codes, loaded before waiting for the previous kernel
      * (weights do not depend on it): the DRAM latency overlaps the wait and the staging */
     uint32_t wr[GP][TR][WPL];
@@ -945,7 +990,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
         bool tv[TR];
 #pragma unroll
         for (int tr = 0; tr < TR; tr++) tv[tr] = tile0 + tr < tiles;
-        q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tv, ng, warp % KW, KW, lane, g, wr, sbv);
+        q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tv, ng, warp % KW, KW, lane, g, so, wr, sbv);
         preloaded = true;
     }
     pdl_wait();
@@ -962,7 +1007,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
             const dfk_qlin &Ln = P.d[dn];
             const int KWn = Ln.KW, RWn = 8 / KWn;
             q_prefetch_unit<WPL, TR>(Ln, ((u + 1 - P.start[dn]) * RWn + warp / KWn) * TR, (Ln.rows + 15) / 16,
-                                     Ln.cols / GS, warp % KWn, KWn, lane);
+                                     Ln.cols / GS, warp % KWn, KWn, lane, sbw);
         }
         bool tvalid[TR];
 #pragma unroll
@@ -979,10 +1024,11 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
 
         for (int gbase = kw; gbase < ng; gbase += KW * GP) {
             /* the code and scale loads of GP groups at once */
-            if (!preloaded) q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tvalid, ng, gbase, KW, lane, g, wr, sbv);
+            if (!preloaded)
+                q_load_batch<GP, TR, WPL, VEC, NVEC>(L, tile0, tvalid, ng, gbase, KW, lane, g, so, wr, sbv);
             preloaded = false;
             if (P.prefetch && gbase + KW * GP < ng)
-                q_prefetch_batch<GP, TR, WPL>(L, tile0, tvalid, ng, gbase + KW * GP, KW, lane);
+                q_prefetch_batch<GP, TR, WPL>(L, tile0, tvalid, ng, gbase + KW * GP, KW, lane, sbw);
             /* B fragments: from shared memory (SMB) or from L2, group gi+1's loaded before
              * group gi's MMAs */
             uint32_t bq[2][NT][KBG][2];
@@ -1000,7 +1046,7 @@ __global__ void __launch_bounds__(256, MINB) k_lin_q(const __grid_constant__ qla
                         q_load_b<KBG, SMB>(bxq, bxe, bxs, M, ng, grp + KW, nt, g, t, bq[(gi + 1) & 1][nt],
                                            xe[(gi + 1) & 1][nt], xs[(gi + 1) & 1][nt]);
                 }
-                q_mma_group<BITS, GS, NT, TR>(wr[gi], sbv[gi], bq[gi & 1], xe[gi & 1], xs[gi & 1], sb_bf16, yv);
+                q_mma_group<BITS, GS, NT, TR>(wr[gi], sbv[gi], bq[gi & 1], xe[gi & 1], xs[gi & 1], sbf, yv);
             }
         }
         preloaded = false; /* (a warp without groups in this unit never used its preload) */
@@ -1035,7 +1081,8 @@ static __device__ __forceinline__ void cp_async_wait(void) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-/* Ring slots per warp and bytes per slot (the lane's code words, then its scale/bias pair). */
+/* Ring slots per warp and bytes per slot (the lane's code words, then its scale/bias pair, or its
+ * two scales and 4 bytes unused). */
 template <int WPL>
 struct qring {
     static constexpr int QS = WPL <= 4 ? 8 : (WPL <= 8 ? 4 : 2);
@@ -1071,8 +1118,9 @@ static __device__ __forceinline__ int q_next_run(const qlaunch &P, int u, int u_
 }
 
 /* Points the cursor at the first step of unit u (or of the first later unit with steps for
- * this warp; c.u == u_end: none left). di: the linear of unit u (units only move forward). */
-template <int BITS, int GS>
+ * this warp; c.u == u_end: none left). di: the linear of unit u (units only move forward). SO:
+ * scales only (file comment). */
+template <int BITS, int GS, int SO>
 static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int u_end, int di, int warp, int lane,
                                                    int g, q_icur &c) {
     typedef qcfg<BITS, GS, 1, 1> C;
@@ -1082,15 +1130,15 @@ static __device__ __forceinline__ void q_icur_unit(const qlaunch &P, int u, int 
     c.di = di;
     if (c.u >= u_end) return;
     c.codes = reinterpret_cast<const char *>(P.d[di].codes + (tg * C::NVEC * 32 + (size_t)lane) * C::VEC);
-    c.sb = reinterpret_cast<const char *>(P.d[di].sb + (tg * 8 + (size_t)g) * 2);
+    c.sb = reinterpret_cast<const char *>(P.d[di].sb + (SO ? tg * 8 + (size_t)g : (tg * 8 + (size_t)g) * 2));
     c.left = nj;
     c.step_c = (unsigned)(C::WPL * 128); /* the warp's records are contiguous */
-    c.step_s = 64u;
+    c.step_s = SO ? 32u : 64u;
 }
 
 /* Issues the copies of the cursor's step into the ring slot at shared address saddr and
  * advances the cursor (nothing when no step is left). */
-template <int BITS, int GS>
+template <int BITS, int GS, int SO>
 static __device__ __forceinline__ void q_icur_issue(const qlaunch &P, int u_end, int warp, int lane, int g,
                                                     uint32_t saddr, q_icur &c) {
     typedef qcfg<BITS, GS, 1, 1> C;
@@ -1099,10 +1147,10 @@ static __device__ __forceinline__ void q_icur_issue(const qlaunch &P, int u_end,
 #pragma unroll
     for (int v = 0; v < NVEC; v++)
         cp_async<VEC * 4>(saddr + (uint32_t)(lane * 4 * VEC + v * 128 * VEC), c.codes + v * 128 * VEC);
-    cp_async<8>(saddr + (uint32_t)(WPL * 128 + lane * 8), c.sb);
+    cp_async<SO ? 4 : 8>(saddr + (uint32_t)(WPL * 128 + lane * 8), c.sb);
     c.codes += c.step_c;
     c.sb += c.step_s;
-    if (--c.left == 0) q_icur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, lane, g, c);
+    if (--c.left == 0) q_icur_unit<BITS, GS, SO>(P, c.u + 1, u_end, c.di, warp, lane, g, c);
 }
 
 /* One step's B fragments and 2^E, S·2^E through the step pointers (zeros for rows >= M). */
@@ -1131,8 +1179,19 @@ static __device__ __forceinline__ void q_load_bfrag(const uint4 *const (&bp)[NT]
     }
 }
 
+/* The lane's scale/bias words in a ring slot at shared address a (SO: scales only, .y unused). */
+template <int SO>
+static __device__ __forceinline__ void q_ring_sb(uint32_t a, uint2 &sbv) {
+    if constexpr (SO) {
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(sbv.x) : "r"(a) : "memory");
+        sbv.y = 0u;
+    } else {
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(sbv.x), "=r"(sbv.y) : "r"(a) : "memory");
+    }
+}
+
 /* The lane's code words and scale/bias pair of the ring slot at shared address caddr. */
-template <int BITS, int GS>
+template <int BITS, int GS, int SO>
 static __device__ __forceinline__ void q_ring_read(uint32_t caddr, int lane, uint32_t (&w)[qcfg<BITS, GS, 1, 1>::WPL],
                                                    uint2 &sbv) {
     typedef qcfg<BITS, GS, 1, 1> C;
@@ -1154,23 +1213,20 @@ static __device__ __forceinline__ void q_ring_read(uint32_t caddr, int lane, uin
         else
             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[v * VEC]) : "r"(a) : "memory");
     }
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
-                 : "=r"(sbv.x), "=r"(sbv.y)
-                 : "r"(caddr + (uint32_t)(WPL * 128 + lane * 8))
-                 : "memory");
+    q_ring_sb<SO>(caddr + (uint32_t)(WPL * 128 + lane * 8), sbv);
 }
 
 /* One step of a warp: waits for its ring slot, reads the lane's codes and scale/bias pair,
  * loads the next step's B fragments (bn, en, sn: pointers advanced by one step) and adds the
  * group's terms (q_mma_group) using the current ones (b, e, s). */
-template <int BITS, int GS, int NT, int QS, bool SMB>
+template <int BITS, int GS, int NT, int QS, bool SMB, int SBF>
 static __device__ __forceinline__ void q_ring_step(uint32_t caddr, int lane, bool more,
                                                    const uint32_t (&b)[NT][qcfg<BITS, GS, NT, 1>::KBG][2],
                                                    const float (&e)[NT], const float (&sx)[NT],
                                                    uint32_t (&bn)[NT][qcfg<BITS, GS, NT, 1>::KBG][2], float (&en)[NT],
                                                    float (&sn)[NT], const uint4 *const (&bp)[NT],
                                                    const float *const (&ep)[NT], const float *const (&sp)[NT],
-                                                   const bool (&bok)[NT], const bool (&eok)[NT], int sb_bf16,
+                                                   const bool (&bok)[NT], const bool (&eok)[NT],
                                                    float (&yv)[1][NT][2]) {
     typedef qcfg<BITS, GS, NT, 1> C;
     constexpr int KBG = C::KBG, WPL = C::WPL, VEC = C::VEC, NVEC = C::NVEC;
@@ -1195,11 +1251,8 @@ static __device__ __forceinline__ void q_ring_step(uint32_t caddr, int lane, boo
         else
             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[0][v * VEC]) : "r"(a) : "memory");
     }
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
-                 : "=r"(sbv[0].x), "=r"(sbv[0].y)
-                 : "r"(caddr + (uint32_t)(WPL * 128 + lane * 8))
-                 : "memory");
-    q_mma_group<BITS, GS, NT, 1>(w, sbv, b, e, sx, sb_bf16, yv);
+    q_ring_sb<(SBF >> 1) & 1>(caddr + (uint32_t)(WPL * 128 + lane * 8), sbv[0]);
+    q_mma_group<BITS, GS, NT, 1>(w, sbv, b, e, sx, SBF, yv);
 }
 
 /* One work unit u (of linear di of launch P) of the ring kernels: its warp's steps through the
@@ -1269,8 +1322,8 @@ do {                                                                            
             cp_async_wait<QS >= 2 ? QS - 2 : 0>();
             uint32_t wa[1][C::WPL], wb[1][C::WPL];
             uint2 sva[1], svb[1];
-            q_ring_read<BITS, GS>(caddr, lane, wa[0], sva[0]);
-            q_ring_read<BITS, GS>(caddr2, lane, wb[0], svb[0]);
+            q_ring_read<BITS, GS, (SBF >> 1) & 1>(caddr, lane, wa[0], sva[0]);
+            q_ring_read<BITS, GS, (SBF >> 1) & 1>(caddr2, lane, wb[0], svb[0]);
             q_mma_group<BITS, GS, NT, 1>(wa, sva, ba, ea, sa, SBF, yv);
             q_mma_group<BITS, GS, NT, 1>(wb, svb, bb, eb, sb2, SBF, yv);
             iss.issue(caddr);
@@ -1287,7 +1340,7 @@ do {                                                                            
             cp_async_wait<QS - 1>();
             uint32_t wa[1][C::WPL];
             uint2 sva[1];
-            q_ring_read<BITS, GS>(caddr, lane, wa[0], sva[0]);
+            q_ring_read<BITS, GS, (SBF >> 1) & 1>(caddr, lane, wa[0], sva[0]);
             q_mma_group<BITS, GS, NT, 1>(wa, sva, ba, ea, sa, SBF, yv);
             iss.issue(caddr);
             cp_async_commit();
@@ -1300,16 +1353,16 @@ do {                                                                            
     }
 #pragma unroll 1
     for (int j = 0; j < nj; j += 2) {
-        q_ring_step<BITS, GS, NT, QS, SMB>(caddr, lane, j + 1 < nj, b0, e0, s0, b1, e1, s1, bp, ep, sp, bok, eok,
-                                            SBF, yv);
+        q_ring_step<BITS, GS, NT, QS, SMB, SBF>(caddr, lane, j + 1 < nj, b0, e0, s0, b1, e1, s1, bp, ep, sp, bok,
+                                                 eok, yv);
         Q_ADVANCE();
         iss.issue(caddr);
         cp_async_commit();
         caddr += SLOT;
         if (caddr == ring_end) caddr = ring0;
         if (j + 1 < nj) {
-            q_ring_step<BITS, GS, NT, QS, SMB>(caddr, lane, j + 2 < nj, b1, e1, s1, b0, e0, s0, bp, ep, sp, bok,
-                                                eok, SBF, yv);
+            q_ring_step<BITS, GS, NT, QS, SMB, SBF>(caddr, lane, j + 2 < nj, b1, e1, s1, b0, e0, s0, bp, ep, sp,
+                                                     bok, eok, yv);
             Q_ADVANCE();
             iss.issue(caddr);
             cp_async_commit();
@@ -1323,12 +1376,14 @@ do {                                                                            
 }
 
 /* The issuer of k_lin_qr: the cursor over the CTA's units [.., u_end) of launch P. */
-template <int BITS, int GS>
+template <int BITS, int GS, int SO>
 struct q_issue_launch {
     const qlaunch &P;
     q_icur &c;
     int u_end, warp, lane, g;
-    __device__ __forceinline__ void issue(uint32_t saddr) { q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, saddr, c); }
+    __device__ __forceinline__ void issue(uint32_t saddr) {
+        q_icur_issue<BITS, GS, SO>(P, u_end, warp, lane, g, saddr, c);
+    }
 };
 
 template <int BITS, int GS, int NT, int MINB, bool SMB, int SBF>
@@ -1348,17 +1403,17 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
     /* the first QS steps' copies, issued before waiting for the previous kernel (weights do
      * not depend on it); one commit group per step, empty ones past the end */
     q_icur ic;
-    q_icur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, lane, g, ic);
+    q_icur_unit<BITS, GS, (SBF >> 1) & 1>(P, u_begin, u_end, 0, warp, lane, g, ic);
 #pragma unroll 1
     for (int k = 0; k < QS; k++) {
-        q_icur_issue<BITS, GS>(P, u_end, warp, lane, g, ring0 + (uint32_t)(k * SLOT), ic);
+        q_icur_issue<BITS, GS, (SBF >> 1) & 1>(P, u_end, warp, lane, g, ring0 + (uint32_t)(k * SLOT), ic);
         cp_async_commit();
     }
     pdl_wait();
     dfk_tr_mark(trs, DFK_TR_SITE(10000), 0, 0);
     int staged = -1, di = 0;
     uint32_t caddr = ring0;
-    q_issue_launch<BITS, GS> iss{P, ic, u_end, warp, lane, g};
+    q_issue_launch<BITS, GS, (SBF >> 1) & 1> iss{P, ic, u_end, warp, lane, g};
     for (int u = u_begin; u < u_end; u++) {
         while (di + 1 < P.n && u >= P.start[di + 1]) di++;
         q_unit_ring<BITS, GS, NT, SMB, SBF>(P, di, u, di, staged, qsm, red, caddr, ring0, ring_end, iss, warp, lane, g,
@@ -1388,10 +1443,11 @@ __global__ void __launch_bounds__(256, MINB) k_lin_qr(const __grid_constant__ ql
  * of whole stages (the records of a warp's unit, up to QC, in one copy: fewer waits and copies
  * per record; measured on the H200, plain decoding, 6 x 2 against 2 x 4: 170.6-172.3 against
  * 155.3-162.6 tok/s). */
-template <int WPL, int NS, int QC>
+template <int WPL, int NS, int QC, int SBB = 64>
 struct qbulk {
-    static constexpr int CB = WPL * 128;         /* code bytes of a record (32 lanes x WPL words) */
-    static constexpr int STAGE = QC * (CB + 64); /* QC records' codes, then their 64-byte sb rows */
+    static constexpr int CB = WPL * 128;          /* code bytes of a record (32 lanes x WPL words) */
+    static constexpr int STAGE = QC * (CB + SBB); /* QC records' codes, then their sb rows of SBB bytes
+                                                     (64; 32 with scales only) */
     static constexpr int RING = NS * STAGE;      /* per warp */
     static constexpr int BYTES = 8 * RING + 8 * NS * 8 + 16; /* 8 warps' rings, their mbarriers, the input copy's */
 };
@@ -1413,7 +1469,7 @@ struct qb_jump {
 
 /* Points the cursor at the run of unit u (or of the first later unit where this warp has
  * records; c.u == u_end: none left). */
-template <int BITS, int GS>
+template <int BITS, int GS, int SBB>
 static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int u_end, int di, int warp, qb_cur &c,
                                                    qb_jump &J) {
     constexpr int WPL = qcfg<BITS, GS, 1, 1>::WPL;
@@ -1423,29 +1479,29 @@ static __device__ __forceinline__ void qb_cur_unit(const qlaunch &P, int u, int 
     c.di = di;
     if (c.u >= u_end) return;
     c.codes = reinterpret_cast<const char *>(P.d[di].codes + tg * (size_t)(WPL * 32));
-    c.sb = reinterpret_cast<const char *>(P.d[di].sb + tg * 16);
+    c.sb = reinterpret_cast<const char *>(P.d[di].sb + tg * (SBB / 4));
     c.left = nj;
     const unsigned recs = (unsigned)((8 >> P.kwl[di]) * (P.d[di].cols / GS) - nj); /* records between two runs */
     J.jc = recs * (unsigned)(WPL * 128);
-    J.js = recs * 64u;
+    J.js = recs * (unsigned)SBB;
     J.nj = nj;
     J.ufast = P.start[di + 1] - 1;
 }
 
 /* Lane 0: the cursor's next (up to QC) records into the stage at shared address stage, on its
  * barrier bar; advances the cursor. Nothing when no record is left. */
-template <int BITS, int GS, int QC>
+template <int BITS, int GS, int QC, int SBB>
 static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int warp, uint32_t stage, uint32_t bar,
                                                 qb_cur &c, qb_jump &J) {
-    typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL, 1, QC> B;
+    typedef qbulk<qcfg<BITS, GS, 1, 1>::WPL, 1, QC, SBB> B;
     if (c.u >= u_end) return;
     const int n = c.left < QC ? c.left : QC;
     const bool sb = !(P.diag & 4);
-    mbar_expect(bar, (unsigned)(n * (B::CB + (sb ? 64 : 0))));
+    mbar_expect(bar, (unsigned)(n * (B::CB + (sb ? SBB : 0))));
     bulk_copy(stage, c.codes, (unsigned)(n * B::CB), bar);
-    if (sb) bulk_copy(stage + (uint32_t)(QC * B::CB), c.sb, (unsigned)(n * 64), bar);
+    if (sb) bulk_copy(stage + (uint32_t)(QC * B::CB), c.sb, (unsigned)(n * SBB), bar);
     c.codes += n * B::CB;
-    c.sb += n * 64;
+    c.sb += n * SBB;
     c.left -= n;
     if (c.left == 0) {
         if (c.u + 1 < J.ufast && c.u + 1 < u_end) { /* the next unit's run: the next tiles of this K-slice */
@@ -1454,7 +1510,7 @@ static __device__ __forceinline__ void qb_issue(const qlaunch &P, int u_end, int
             c.sb += J.js;
             c.left = J.nj;
         } else {
-            qb_cur_unit<BITS, GS>(P, c.u + 1, u_end, c.di, warp, c, J);
+            qb_cur_unit<BITS, GS, SBB>(P, c.u + 1, u_end, c.di, warp, c, J);
         }
     }
 }
@@ -1569,7 +1625,7 @@ static __device__ __forceinline__ qb_lin<NT> qb_lin_of(int M, int cols, int kw, 
  * 2^E, S·2^E at byte offsets ba, ea, ea + A.sxo of qsm (ba, ea advanced by A.bst, A.est), its
  * code words and its scale/bias pair. Plain loads: they stay after the stage's barrier wait
  * (whose asm clobbers memory), and the compiler may move them ahead of an earlier step's MMAs. */
-template <int BITS, int GS, int NT>
+template <int BITS, int GS, int NT, int SBB>
 static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, const unsigned char *stp, int r, int C,
                                                     int lane, int g, uint32_t (&ba)[NT], uint32_t (&ea)[NT],
                                                     const qb_lin<NT> &A,
@@ -1611,7 +1667,10 @@ static __device__ __forceinline__ void qb_load_step(const unsigned char *qsm, co
             w[v] = *reinterpret_cast<const uint32_t *>(a);
         }
     }
-    sbv = *reinterpret_cast<const uint2 *>(stp + C * CB + r * 64 + g * 8);
+    if constexpr (SBB == 32) /* scales only: rows g and g + 8 in one word */
+        sbv = make_uint2(*reinterpret_cast<const uint32_t *>(stp + C * CB + r * 32 + g * 4), 0u);
+    else
+        sbv = *reinterpret_cast<const uint2 *>(stp + C * CB + r * 64 + g * 8);
 }
 
 /* The steps of one warp in a unit of k_lin_qb: nj records through the warp's ring (stages at
@@ -1624,7 +1683,8 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
                                                      uint32_t bar0, int &stage, unsigned &parity,
                                                      float (&yv)[1][NT][2], Iss issue) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qbulk<C::WPL, NS, QC> B;
+    constexpr int SBB = SBF & 2 ? 32 : 64;
+    typedef qbulk<C::WPL, NS, QC, SBB> B;
     constexpr int KBG = C::KBG, WPL = C::WPL;
     const int g = lane >> 2;
     uint32_t ba[NT], ea[NT];
@@ -1654,8 +1714,8 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
                 uint2 sbv[2][1];
 #pragma unroll
                 for (int h = 0; h < 2; h++)
-                    qb_load_step<BITS, GS, NT>(qsm, stp, r + h, QC, lane, g, ba, ea, A, bq[h], e[h], sx[h], w[h][0],
-                                               sbv[h][0]);
+                    qb_load_step<BITS, GS, NT, SBB>(qsm, stp, r + h, QC, lane, g, ba, ea, A, bq[h], e[h], sx[h],
+                                                    w[h][0], sbv[h][0]);
 #pragma unroll
                 for (int h = 0; h < 2; h++) q_mma_group<BITS, GS, NT, 1>(w[h], sbv[h], bq[h], e[h], sx[h], SBF, yv);
             }
@@ -1663,7 +1723,7 @@ static __device__ __forceinline__ void qb_unit_steps(const qlaunch &P, const qb_
                 uint32_t bq[NT][KBG][2], w[1][WPL];
                 float e[NT], sx[NT];
                 uint2 sbv[1];
-                qb_load_step<BITS, GS, NT>(qsm, stp, r, QC, lane, g, ba, ea, A, bq, e, sx, w[0], sbv[0]);
+                qb_load_step<BITS, GS, NT, SBB>(qsm, stp, r, QC, lane, g, ba, ea, A, bq, e, sx, w[0], sbv[0]);
                 q_mma_group<BITS, GS, NT, 1>(w, sbv, bq, e, sx, SBF, yv);
             }
         }
@@ -1702,7 +1762,8 @@ static __device__ __forceinline__ void qb_riders(const qlaunch &P, int cta, int 
 template <int BITS, int GS, int NT, int SBF, int NS, int QC>
 __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb(const __grid_constant__ qlaunch P) {
     typedef qcfg<BITS, GS, NT, 1> C;
-    typedef qbulk<C::WPL, NS, QC> B;
+    constexpr int SBB = SBF & 2 ? 32 : 64;
+    typedef qbulk<C::WPL, NS, QC, SBB> B;
     __shared__ float red[8][NT * 2][32];
     __shared__ qb_jump jump[8];
     extern __shared__ __align__(128) unsigned char qsm[];
@@ -1738,9 +1799,9 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
      * depend on it) */
     qb_cur cur;
     if (lane == 0) {
-        qb_cur_unit<BITS, GS>(P, u_begin, u_end, 0, warp, cur, jump[warp]);
+        qb_cur_unit<BITS, GS, SBB>(P, u_begin, u_end, 0, warp, cur, jump[warp]);
         for (int s = 0; s < NS; s++)
-            qb_issue<BITS, GS, QC>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur,
+            qb_issue<BITS, GS, QC, SBB>(P, u_end, warp, ring0 + (uint32_t)(s * B::STAGE), bar0 + (uint32_t)(8 * s), cur,
                                    jump[warp]);
     }
     pdl_wait();
@@ -1779,7 +1840,7 @@ __global__ void __launch_bounds__(256, NT == 1 && QC < 6 ? QB_MINB : 2) k_lin_qb
         qb_unit_steps<BITS, GS, NT, SBF, NS, QC>(
             P, qb_lin_of<GS, NT>(M, L.cols, kw, 1 << kwl, lane, zero), lane, tvalid[0] ? nj : 0, qsm, smem0, ring0,
             bar0, stage, parity, yv,
-            [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC>(P, u_end, warp, st, bar, cur, jump[warp]); });
+            [&](uint32_t st, uint32_t bar) { qb_issue<BITS, GS, QC, SBB>(P, u_end, warp, st, bar, cur, jump[warp]); });
         q_finish<NT, 1>(L, red, yv, 1 << kwl, kw, warp, lane, g, t, M, tile0, tvalid);
     }
     if (threadIdx.x == 0 && g_tr_buf) { /* trace: the units' end; aux = the launch's weight KiB */
@@ -1900,14 +1961,19 @@ static unsigned q_grid(const qlaunch &P, unsigned units, int per_sm) {
 }
 
 /* The dynamic shared memory of a k_lin_qb launch with NS ring stages (in: the input copy's
- * bytes, rounded up to 128) and its kernel. */
+ * bytes, rounded up to 128) for scale format sbf (qlaunch.sbf), and its kernel. The scales-only
+ * instances exist for 2-bit codes only (q_linear_launch refuses the others). */
 template <int BITS, int GS, int NT, int NS, int QC>
-static size_t qb_smem(size_t in) {
-    return in + 128 + qbulk<qcfg<BITS, GS, NT, 1>::WPL, NS, QC>::BYTES; /* the zero record in the last 64 bytes before the rings */
+static size_t qb_smem(size_t in, int sbf) {
+    typedef qcfg<BITS, GS, NT, 1> C; /* the zero record in the last 64 bytes before the rings */
+    return in + 128 + (sbf & 2 ? qbulk<C::WPL, NS, QC, 32>::BYTES : qbulk<C::WPL, NS, QC, 64>::BYTES);
 }
 template <int BITS, int GS, int NT, int NS, int QC>
-static void (*qb_kernel(int sb_bf16))(qlaunch) {
-    return sb_bf16 ? k_lin_qb<BITS, GS, NT, 1, NS, QC> : k_lin_qb<BITS, GS, NT, 0, NS, QC>;
+static void (*qb_kernel(int sbf))(qlaunch) {
+    if constexpr (BITS == 2) {
+        if (sbf & 2) return sbf & 1 ? k_lin_qb<BITS, GS, NT, 3, NS, QC> : k_lin_qb<BITS, GS, NT, 2, NS, QC>;
+    }
+    return sbf & 1 ? k_lin_qb<BITS, GS, NT, 1, NS, QC> : k_lin_qb<BITS, GS, NT, 0, NS, QC>;
 }
 
 static int g_q_diag = 0;
@@ -1933,10 +1999,10 @@ struct qb_shape {
     static constexpr int NS = NT == 1 ? (I == 2 ? 3 : 2) : (I == 1 ? 3 : 2);
 };
 template <int BITS, int GS, int NT, int I>
-static void qb_shape_kernel(int sb_bf16, size_t in, void (*&kern)(qlaunch), size_t &smem) {
+static void qb_shape_kernel(int sbf, size_t in, void (*&kern)(qlaunch), size_t &smem) {
     typedef qb_shape<NT, I> S;
-    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sb_bf16);
-    smem = qb_smem<BITS, GS, NT, S::NS, S::QC>(in);
+    kern = qb_kernel<BITS, GS, NT, S::NS, S::QC>(sbf);
+    smem = qb_smem<BITS, GS, NT, S::NS, S::QC>(in, sbf);
 }
 
 /* k_lin_qb on a persistent grid (q_grid), when the input copy fits in shared memory beside the
@@ -1956,15 +2022,15 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     if (in > g_qsmem_max) return 0;
     void (*kern[3])(qlaunch);
     size_t smem[3];
-    qb_shape_kernel<BITS, GS, NT, 0>(P.sb_bf16, in, kern[0], smem[0]);
-    qb_shape_kernel<BITS, GS, NT, 1>(P.sb_bf16, in, kern[1], smem[1]);
-    qb_shape_kernel<BITS, GS, NT, 2>(P.sb_bf16, in, kern[2], smem[2]);
-    static q_occ occ[3][2];
+    qb_shape_kernel<BITS, GS, NT, 0>(P.sbf, in, kern[0], smem[0]);
+    qb_shape_kernel<BITS, GS, NT, 1>(P.sbf, in, kern[1], smem[1]);
+    qb_shape_kernel<BITS, GS, NT, 2>(P.sbf, in, kern[2], smem[2]);
+    static q_occ occ[3][4];
     int per[3] = {0, 0, 0}, most = 0;
     const int want = g_q_stage[NT - 1];
     for (int i = 0; i < 3; i++) {
         if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
-        per[i] = q_occupancy(kern[i], smem[i], occ[i][P.sb_bf16 ? 1 : 0]);
+        per[i] = q_occupancy(kern[i], smem[i], occ[i][P.sbf & 3]);
         most = per[i] > most ? per[i] : most;
     }
     int best = -1;
@@ -2001,10 +2067,15 @@ static int launch_qr(qlaunch P, unsigned units) {
     const bool smb = g_qsmem && in + R::BYTES <= QR_SMEM_MAX && in <= g_qsmem_max;
     P.ring_off = smb ? (int)in : 0;
     const size_t smem = (smb ? in : 0) + R::BYTES;
-    void (*kern)(qlaunch) = P.sb_bf16 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 1> : k_lin_qr<BITS, GS, NT, MINB, false, 1>)
+    void (*kern)(qlaunch) = P.sbf & 1 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 1> : k_lin_qr<BITS, GS, NT, MINB, false, 1>)
                                       : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 0> : k_lin_qr<BITS, GS, NT, MINB, false, 0>);
-    static q_occ occ[4];
-    const int per_sm = q_occupancy(kern, smem, occ[(smb ? 1 : 0) + (P.sb_bf16 ? 2 : 0)]);
+    if constexpr (BITS == 2) { /* scales only (file comment) */
+        if (P.sbf & 2)
+            kern = P.sbf & 1 ? (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 3> : k_lin_qr<BITS, GS, NT, MINB, false, 3>)
+                             : (smb ? k_lin_qr<BITS, GS, NT, MINB, true, 2> : k_lin_qr<BITS, GS, NT, MINB, false, 2>);
+    }
+    static q_occ occ[8];
+    const int per_sm = q_occupancy(kern, smem, occ[(smb ? 1 : 0) + 2 * (P.sbf & 3)]);
     const dim3 grid = q_grid_of(P, q_grid(P, units, per_sm));
     return launch_pdl(kern, grid, dim3(256), smem, P);
 }
@@ -2034,7 +2105,7 @@ static int launch_q_nt(const qlaunch &P, unsigned blocks, int TR) {
 
 extern "C" int dfk_linear_q_max_tr(int M) { return M <= 4 ? 4 : (M <= 8 ? 2 : 1); }
 
-static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+static int q_linear_launch(int bits, int gs, int sbf, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
                            const dlaunch &dn);
 
 /* Rows per launch: M, or fewer where the schedule asks (dfk_qsched.split_rows, split_bytes). */
@@ -2049,7 +2120,7 @@ static int q_split_chunk(int M, int gs, const dfk_qsched &sched, int n, const df
     return chunk;
 }
 
-extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+extern "C" int dfk_linear_q(int bits, int gs, int sbf, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
                             int nd, const dfk_dlin *dense) {
     if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || gs <= 0 || nd < 0) return (int)cudaErrorInvalidValue;
     dlaunch dn = {};
@@ -2058,7 +2129,7 @@ extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sch
         if (st) return st;
     }
     const int chunk = q_split_chunk(M, gs, sched, n, lins);
-    if (chunk >= M) return q_linear_launch(bits, gs, sb_bf16, M, sched, n, lins, dn);
+    if (chunk >= M) return q_linear_launch(bits, gs, sbf, M, sched, n, lins, dn);
     if (dn.n > 0) { /* the dense rows are of all M rows: launched on their own first */
         const int st = dense_launch(dn);
         if (st) return st;
@@ -2078,26 +2149,27 @@ extern "C" int dfk_linear_q(int bits, int gs, int sb_bf16, int M, dfk_qsched sch
             part[i].xsx = lins[i].xsx + (size_t)m0 * (size_t)(lins[i].cols / gs);
             part[i].y = lins[i].y + (size_t)m0 * (size_t)lins[i].rows;
         }
-        const int st = q_linear_launch(bits, gs, sb_bf16, mp, sched, n, part, dn);
+        const int st = q_linear_launch(bits, gs, sbf, mp, sched, n, part, dn);
         if (st) return st;
         m0 += mp;
     }
     return 0;
 }
 
-static int q_linear_launch(int bits, int gs, int sb_bf16, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
+static int q_linear_launch(int bits, int gs, int sbf, int M, dfk_qsched sched, int n, const dfk_qlin *lins,
                            const dlaunch &dn) {
     int TR = sched.TR;
     /* the ring kernel up to ring_max_m rows, the register kernel above (same K-slices: same bits) */
     const int ring = sched.ring && (sched.ring_max_m <= 0 || M <= sched.ring_max_m) ? 1 : 0;
-    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1 || ring < 0 || ring > 1 || sched.ctas < 0)
+    if (M < 1 || M > DFK_MAX_ROWS || n < 1 || n > DFK_QMAX || TR < 1 || ring < 0 || ring > 1 || sched.ctas < 0 ||
+        sbf < 0 || sbf > 3 || ((sbf & 2) && bits != 2))
         return (int)cudaErrorInvalidValue;
     if (TR > dfk_linear_q_max_tr(M)) TR = dfk_linear_q_max_tr(M);
     if (ring) TR = 1; /* k_lin_qr: one tile per warp */
     qlaunch P = {};
     P.n = n;
     P.M = M;
-    P.sb_bf16 = sb_bf16;
+    P.sbf = sbf;
     P.prefetch = g_q_prefetch;
     P.ring = ring;
     P.ctas = sched.ctas;
