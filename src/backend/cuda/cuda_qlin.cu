@@ -2020,24 +2020,35 @@ static int launch_qb(qlaunch P, unsigned units, int *st) {
     }
     in = (in + 127) & ~(size_t)127;
     if (in > g_qsmem_max) return 0;
-    void (*kern[3])(qlaunch);
-    size_t smem[3];
+    /* the shape is chosen by the shared memory of the layout with biases, also for weights stored
+     * as their scales alone (whose smaller stages would let the 8 x 2 ring fill an SM's shared
+     * memory with two CTAs at 4 rows of 5120 columns, leaving the L1 cache almost nothing:
+     * measured on the H200, t(4) 5.67 against 5.47 ms: docs/PERFORMANCE.md) */
+    void (*kern[3])(qlaunch), (*kern_b[3])(qlaunch);
+    size_t smem[3], smem_b[3];
     qb_shape_kernel<BITS, GS, NT, 0>(P.sbf, in, kern[0], smem[0]);
     qb_shape_kernel<BITS, GS, NT, 1>(P.sbf, in, kern[1], smem[1]);
     qb_shape_kernel<BITS, GS, NT, 2>(P.sbf, in, kern[2], smem[2]);
-    static q_occ occ[3][4];
+    qb_shape_kernel<BITS, GS, NT, 0>(P.sbf & 1, in, kern_b[0], smem_b[0]);
+    qb_shape_kernel<BITS, GS, NT, 1>(P.sbf & 1, in, kern_b[1], smem_b[1]);
+    qb_shape_kernel<BITS, GS, NT, 2>(P.sbf & 1, in, kern_b[2], smem_b[2]);
+    static q_occ occ[3][2];
     int per[3] = {0, 0, 0}, most = 0;
     const int want = g_q_stage[NT - 1];
     for (int i = 0; i < 3; i++) {
-        if (smem[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
-        per[i] = q_occupancy(kern[i], smem[i], occ[i][P.sbf & 3]);
+        if (smem_b[i] > QR_SMEM_MAX || (want > 0 && i != want - 1)) continue;
+        per[i] = q_occupancy(kern_b[i], smem_b[i], occ[i][P.sbf & 1]);
         most = per[i] > most ? per[i] : most;
     }
     int best = -1;
     for (int i = 0; i < 3 && best < 0; i++)
         if (per[i] > 0 && per[i] >= (most < 2 ? most : 2)) best = i;
     if (best < 0) return 0;
-    const int best_per = per[best];
+    const int best_per = per[best]; /* the grid as with biases (the same CTAs per SM, or fewer) */
+    if (P.sbf & 2) { /* the scales-only kernel's shared memory cap (set at its first use) */
+        static q_occ occ_so[3][2];
+        (void)q_occupancy(kern[best], smem[best], occ_so[best][P.sbf & 1]);
+    }
     P.ring_off = (int)(in + 128);
     const dim3 grid = q_grid_of(P, q_grid(P, units, best_per));
     *st = launch_pdl(kern[best], grid, dim3(256), smem[best], P);
