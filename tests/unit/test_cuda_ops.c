@@ -436,6 +436,7 @@ static void test_linear(void **state) {
 static void test_scales_only(void **state) {
     (void)state;
     NEED_GPU();
+#ifdef DFLASH_WITH_CUDA /* df_backend_cuda_stats */
     struct {
         int ternary, rows, cols, gs;
     } cases[] = {{1, 70, 1024, 128}, {2, 33, 512, 64}, {3, 40, 512, 128}, {0, 40, 512, 128}};
@@ -468,6 +469,7 @@ static void test_scales_only(void **state) {
             fail_msg("scales only, case %zu: %zu bytes saved, expected %zu", c, bytes[1] - bytes[0], want);
         free_linear(&q);
     }
+#endif
 }
 
 /* The weight table notices a host buffer reused for different data at the same address. */
