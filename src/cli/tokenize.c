@@ -43,10 +43,17 @@ int cmd_tokenize(int argc, char **argv) {
     int32_t *ids = NULL;
     size_t n = 0;
     if (decode && cli_parse_ids(&cmd, "--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
-    if (text && cli_check_utf8(&cmd, file ? file : "--text", text)) {
+    if (file_text) { /* the file's bytes: a data error, not a command-line one */
+        const size_t len = strlen(file_text), bad = df_utf8_invalid_at(file_text, len);
+        if (bad < len) {
+            cli_error("tokenize", "%s: the text is not valid UTF-8 (byte %zu)", file, bad);
+            free(ids);
+            free(file_text);
+            return CLI_EXIT_FAIL;
+        }
+    } else if (text && cli_check_utf8(&cmd, "--text", text)) {
         free(ids);
-        free(file_text);
-        return file ? CLI_EXIT_FAIL : CLI_EXIT_USAGE;
+        return CLI_EXIT_USAGE;
     }
     char path[4096];
     int model_vocab = 0; /* a pack's: ids past the tokenizer's, up to it, decode to no text */

@@ -284,7 +284,7 @@ static int check_messages(const json_t *root, df_api_error *e) {
                                 "but got an empty array instead.");
     if (n > 100000)
         return df_api_error_set(e, 400, INVALID, "array_above_max_length", "messages",
-                                "Invalid 'messages': too many messages (%zu).", n);
+                                "Invalid 'messages': %zu messages, at most 100000.", n);
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(msgs, i);
         char param[96];

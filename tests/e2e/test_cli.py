@@ -972,6 +972,16 @@ def test_invalid_utf8_text_options_are_usage_errors():
         assert b"usage:" in p.stderr, p.stderr
 
 
+def test_tokenize_file_not_utf8_is_a_data_error(tmp_path):
+    """tokenize --file with bytes that are not UTF-8: exit 1 naming the file and the byte, no
+    usage text (the command line was right)."""
+    f = tmp_path / "bad.txt"
+    f.write_bytes(b"ab\xffcd")
+    p = run_cli("tokenize", *model_args(), "--file", str(f))
+    assert p.returncode == 1, p.stderr
+    assert f"{f}: the text is not valid UTF-8 (byte 2)" in p.stderr and "usage:" not in p.stderr, p.stderr
+
+
 def test_messages_file_number_out_of_range_names_the_field(tmp_path):
     """A number past the JSON parser's range in a --messages file is reported as the server does:
     the field and its range, not a bare parse error."""

@@ -367,6 +367,13 @@ def test_deep_and_wide_json(srv):
         assert r.status_code in (400, 413), r.text
 
 
+def test_too_many_messages_names_the_limit(srv):
+    data = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 100000 + b'{"role": "user", "content": "x"}]}'
+    r = requests.post(srv.url + "/v1/chat/completions", data=data, timeout=120)
+    assert r.status_code == 400, r.text
+    assert "100001 messages, at most 100000" in r.json()["error"]["message"], r.text
+
+
 def test_invalid_utf8_and_escapes(srv):
     for data in [b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
                  b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
