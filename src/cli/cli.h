@@ -101,6 +101,9 @@ int cli_parse_ids(const cli_command *cmd, const char *what, const char *s, int32
 /* 0 when text (the value of option `opt` of cmd, e.g. "--prompt") is valid UTF-8; else cmd's
  * usage error naming the option and the first bad byte, and CLI_EXIT_USAGE. */
 int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text);
+/* The same for text read from `what` (a file): a data error, cmd's error naming it and the
+ * byte, and CLI_EXIT_FAIL (no usage text: the command line was right). */
+int cli_check_utf8_data(const cli_command *cmd, const char *what, const char *text);
 /* Prints `dflash CMD: message` to stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

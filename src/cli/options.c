@@ -36,9 +36,22 @@ int cli_usage_error(const cli_command *cmd, const char *fmt, ...) {
     return CLI_EXIT_USAGE;
 }
 
-int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text) {
+/* The offset of text's first byte that is not UTF-8, or -1 when it is all valid. */
+static long long utf8_bad_at(const char *text) {
     const size_t len = strlen(text), bad = df_utf8_invalid_at(text, len);
-    return bad < len ? cli_usage_error(cmd, "%s: the text is not valid UTF-8 (byte %zu)", opt, bad) : 0;
+    return bad < len ? (long long)bad : -1;
+}
+
+int cli_check_utf8(const cli_command *cmd, const char *opt, const char *text) {
+    const long long bad = utf8_bad_at(text);
+    return bad >= 0 ? cli_usage_error(cmd, "%s: the text is not valid UTF-8 (byte %lld)", opt, bad) : 0;
+}
+
+int cli_check_utf8_data(const cli_command *cmd, const char *what, const char *text) {
+    const long long bad = utf8_bad_at(text);
+    if (bad < 0) return 0;
+    cli_error(cmd->name, "%s: the text is not valid UTF-8 (byte %lld)", what, bad);
+    return CLI_EXIT_FAIL;
 }
 
 int cli_is_option(const char *arg) { return strncmp(arg, "--", 2) == 0; }

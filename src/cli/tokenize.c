@@ -43,17 +43,13 @@ int cmd_tokenize(int argc, char **argv) {
     int32_t *ids = NULL;
     size_t n = 0;
     if (decode && cli_parse_ids(&cmd, "--decode", decode, &ids, &n)) return CLI_EXIT_USAGE;
-    if (file_text) { /* the file's bytes: a data error, not a command-line one */
-        const size_t len = strlen(file_text), bad = df_utf8_invalid_at(file_text, len);
-        if (bad < len) {
-            cli_error("tokenize", "%s: the text is not valid UTF-8 (byte %zu)", file, bad);
+    if (text) { /* the file's bytes are data; --text is the command line */
+        const int st = file_text ? cli_check_utf8_data(&cmd, file, text) : cli_check_utf8(&cmd, "--text", text);
+        if (st) {
             free(ids);
             free(file_text);
-            return CLI_EXIT_FAIL;
+            return st;
         }
-    } else if (text && cli_check_utf8(&cmd, "--text", text)) {
-        free(ids);
-        return CLI_EXIT_USAGE;
     }
     char path[4096];
     int model_vocab = 0; /* a pack's: ids past the tokenizer's, up to it, decode to no text */
